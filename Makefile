@@ -1,0 +1,20 @@
+# The README's commands. `make demo` runs the main job, `make test` the test suite.
+PYTHON ?= python
+# torch first, pinned, so that pip takes the local CPU wheel instead of resolving a multi-GB CUDA build.
+# Elsewhere: TORCH_SPEC="torch" (or install the torch for your CUDA yourself and run `make install-package`).
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install install-package demo test
+
+install:
+	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(MAKE) install-package
+
+install-package:
+	$(PYTHON) -m pip install -q -e ".[dev]"
+
+demo: install
+	$(PYTHON) scripts/quickstart.py --output_dir runs/quickstart
+
+test:
+	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests -q

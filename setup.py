@@ -1,0 +1,31 @@
+"""MiniMind: a small Llama/Qwen3-family language model on the Hugging Face stack.
+
+torch is deliberately not pinned to a build: install the torch that fits your machine first (the Makefile's
+`install` target takes torch 2.13.0), then this package; any torch >= 2.4 satisfies it and pip adds nothing.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="minimind",
+    version="0.1.0",
+    description="MiniMind: train, load and serve a small Llama/Qwen3-style model with transformers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    py_modules=["configuration_minimind", "modeling_minimind"],
+    packages=find_packages(include=["minimind", "minimind.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=4.57,<6",
+        "tokenizers>=0.22",
+        "safetensors>=0.4",
+        "accelerate>=1.0",
+        "datasets>=3.0",
+        "peft>=0.17",
+    ],
+    extras_require={
+        "dev": ["pytest>=8"],
+    },
+)

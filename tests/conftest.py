@@ -1,0 +1,44 @@
+"""Shared test set-up: offline Hub, the repo root importable, tiny configs."""
+
+import os
+import sys
+import tempfile
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Remote-code modules are copied here on load; keep them out of the user's cache.
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="minimind-hf-modules-"))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def tiny_config(**overrides):
+    """A ~100k-parameter MiniMind config: fast on 2 cores, every code path present (GQA, q/k norm)."""
+    from configuration_minimind import MiniMindConfig
+
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0)
+    base.update(overrides)
+    return MiniMindConfig(**base)
+
+
+def tiny_model(seed=0, std=None, **overrides):
+    """A tiny model in eval mode; a larger init `std` makes logits sharp, so cache or mask bugs change the
+    greedy tokens instead of hiding in near-uniform distributions."""
+    from modeling_minimind import MiniMindForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(**({"initializer_range": std} if std else {}), **overrides)
+    return MiniMindForCausalLM(config).eval()
+
+
+@pytest.fixture
+def repo_root():
+    return ROOT

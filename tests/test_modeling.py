@@ -1,0 +1,512 @@
+"""The model against references: the seed's toy numbers, cached vs full prefix, eager vs sdpa,
+transformers' Qwen3 / Qwen3-MoE with the same weights, parameter counts, bad input."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from conftest import tiny_config, tiny_model
+from configuration_minimind import MiniMindConfig
+from modeling_minimind import (
+    MiniMindAttention,
+    MiniMindDecoderLayer,
+    MiniMindForCausalLM,
+    MiniMindMoE,
+    MiniMindRotaryEmbedding,
+    apply_rotary_pos_emb,
+    compute_rope_inv_freq,
+    eager_attention_forward,
+)
+
+# ------------------------------------------------------------------------------------------------------
+# Seed 000: the toy walkthrough and the shape ledger
+# ------------------------------------------------------------------------------------------------------
+
+def _toy_attention():
+    """d=2, one head, identity projections, no q/k norm, RoPE angle step pi/2."""
+    config = MiniMindConfig(vocab_size=8, hidden_size=2, num_attention_heads=1, num_key_value_heads=1,
+                            head_dim=2, qk_norm=False, num_hidden_layers=1, intermediate_size=4,
+                            attn_implementation="eager")
+    attn = MiniMindAttention(config, layer_idx=0).eval()
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+        proj.weight.data = torch.eye(2)
+    rotary = MiniMindRotaryEmbedding(config)
+    rotary.inv_freq.fill_(math.pi / 2)
+    return config, attn, rotary
+
+
+def test_seed000_toy_walkthrough_numbers():
+    config, attn, rotary = _toy_attention()
+    X = torch.tensor([[[1.0, 1.0], [1.0, -1.0]]])  # [B=1, T=2, d=2], each row has RMS 1
+    cos, sin = rotary(X, torch.arange(2)[None])
+    q = k = X[:, None]  # identity projections, one head: [1, 1, 2, 2]
+    q_rot, k_rot = apply_rotary_pos_emb(q, k, cos, sin)
+    torch.testing.assert_close(q_rot[0, 0], torch.tensor([[1.0, 1.0], [1.0, 1.0]]), atol=1e-6, rtol=0)
+
+    causal = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]])[None, None]
+    O, P = eager_attention_forward(attn, q_rot, k_rot, X[:, None], causal, scaling=2 ** -0.5)
+    torch.testing.assert_close(P[0, 0], torch.tensor([[1.0, 0.0], [0.5, 0.5]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(O[0, :, 0], torch.tensor([[1.0, 1.0], [1.0, 0.0]]), atol=1e-6, rtol=0)
+
+    # The same through the project's attention module, and the first residual Y = X + O.
+    out, _ = attn(X, (cos, sin), attention_mask=causal)
+    Y = X + out
+    torch.testing.assert_close(Y[0], torch.tensor([[2.0, 2.0], [2.0, -1.0]]), atol=1e-6, rtol=0)
+
+
+def test_seed000_shape_ledger():
+    B, T, d, h = 2, 5, 12, 3
+    config = MiniMindConfig(vocab_size=11, hidden_size=d, num_attention_heads=h, num_key_value_heads=h,
+                            num_hidden_layers=1, intermediate_size=16, attn_implementation="eager")
+    attn = MiniMindAttention(config, 0)
+    x = torch.randn(B, T, d)
+    q = attn.q_proj(x).view(B, T, h, -1).transpose(1, 2)
+    assert list(q.shape) == [2, 3, 5, 4]  # split Q
+    assert list((q[0, 0] @ q[0, 0].T).shape) == [5, 5]  # one head's scores
+    cos, sin = MiniMindRotaryEmbedding(config)(x, torch.arange(T)[None])
+    out, weights = attn(x, (cos, sin), attention_mask=None)
+    assert list(out.shape) == [2, 5, 12]  # concatenated heads after W_O
+    assert list(weights.shape) == [2, 3, 5, 5]
+
+
+@pytest.mark.parametrize("route", ["dense", "moe", "cached-decode"])
+def test_block_preserves_BTD_on_every_route(route):
+    config = tiny_config(use_moe=route == "moe")
+    layer = MiniMindDecoderLayer(config, 0).eval()
+    rotary = MiniMindRotaryEmbedding(config)
+    x = torch.randn(2, 5, config.hidden_size)
+    if route == "cached-decode":
+        cache = DynamicCache(config=config)
+        layer(x, position_embeddings=rotary(x, torch.arange(5)[None]), cache=cache)
+        step = torch.randn(2, 1, config.hidden_size)  # T_q = 1
+        out, _, _ = layer(step, position_embeddings=rotary(step, torch.tensor([[5]])), cache=cache)
+        assert out.shape == step.shape and cache.get_seq_length() == 6
+    else:
+        out, _, router_logits = layer(x, position_embeddings=rotary(x, torch.arange(5)[None]))
+        assert out.shape == x.shape
+        assert (router_logits is not None) == (route == "moe")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Seed 002: exact parameter count
+# ------------------------------------------------------------------------------------------------------
+
+def test_seed002_minillama_parameter_count():
+    model = MiniMindForCausalLM(MiniMindConfig.minillama_0_04b())
+    assert sum(p.numel() for p in model.parameters()) == 35_926_528
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_untied_head_adds_its_own_matrix():
+    tied = tiny_model()
+    untied = tiny_model(tie_word_embeddings=False)
+    extra = sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters())
+    assert extra == 97 * 64
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+# ------------------------------------------------------------------------------------------------------
+# Cache: incremental decoding equals the full prefix
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_chunked_logits_equal_full_logits(cache_kind, attn):
+    model = tiny_model(std=0.1, attn_implementation=attn)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = (DynamicCache(config=model.config) if cache_kind == "dynamic"
+                 else StaticCache(config=model.config, max_cache_len=16))
+        pieces, start = [], 0
+        for size in (6, 2, 1):  # prefill, a chunk, one-token decode
+            out = model(ids[:, start:start + size], cache=cache, use_cache=True)
+            pieces.append(out.logits)
+            start += size
+    torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_past_key_values_keyword_is_the_same_cache():
+    model = tiny_model(std=0.1)
+    ids = torch.randint(0, 97, (1, 6))
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        first = model(ids[:, :5], use_cache=True)
+        last = model(ids[:, 5:], past_key_values=first.cache, use_cache=True).logits[:, -1]
+    torch.testing.assert_close(last, full, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_generate_with_and_without_cache_is_sensitive_and_equal():
+    model = tiny_model(std=0.2)
+    prompt = torch.tensor([[5, 17, 42, 8, 3]])
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+        uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+        # Sensitivity: decoding the last token with no context must change the prediction, so a cache that
+        # was silently dropped would show up as different tokens.
+        with_ctx = model(cached[:, :-1]).logits[0, -1]
+        no_ctx = model(cached[:, -2:-1]).logits[0, -1]
+    assert torch.equal(cached, uncached)
+    assert (with_ctx - no_ctx).abs().max() > 0.5
+    assert len(set(cached[0, 5:].tolist())) > 1
+
+
+def test_left_padded_row_equals_unpadded_row():
+    model = tiny_model(std=0.2)
+    short = torch.tensor([[7, 3, 9]])
+    long = torch.tensor([[4, 12, 30, 2, 50, 6]])
+    batch = torch.tensor([[0, 0, 0, 7, 3, 9], [4, 12, 30, 2, 50, 6]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                  pad_token_id=0)
+        alone_short = model.generate(short, max_new_tokens=8, do_sample=False)
+        alone_long = model.generate(long, max_new_tokens=8, do_sample=False)
+    assert torch.equal(together[0, 6:], alone_short[0, 3:])
+    assert torch.equal(together[1, 6:], alone_long[0, 6:])
+
+
+def test_sampling_beam_search_and_streamer_run_through_generation_mixin():
+    class Recorder:  # the streamer protocol: put(prompt), put(token) per step, end()
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.clone())
+
+        def end(self):
+            self.chunks.append(None)
+
+    model = tiny_model(std=0.2)
+    prompt = torch.tensor([[5, 17, 42]])
+    torch.manual_seed(0)
+    sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    assert sampled.shape == (1, 9)
+    beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, num_return_sequences=2)
+    assert beams.shape == (2, 9)
+    recorder = Recorder()
+    streamed = model.generate(prompt, max_new_tokens=4, do_sample=False, streamer=recorder)
+    assert recorder.chunks[-1] is None and len(recorder.chunks) == 1 + 4 + 1
+    assert torch.equal(torch.cat([c.view(-1) for c in recorder.chunks[1:-1]]), streamed[0, 3:])
+
+
+# ------------------------------------------------------------------------------------------------------
+# eager vs sdpa
+# ------------------------------------------------------------------------------------------------------
+
+def _pair(**overrides):
+    eager = tiny_model(std=0.1, attn_implementation="eager", **overrides)
+    sdpa = tiny_model(std=0.1, attn_implementation="sdpa", **overrides)
+    sdpa.load_state_dict(eager.state_dict())
+    assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"
+    return eager, sdpa
+
+
+def test_eager_equals_sdpa_without_and_with_padding_mask():
+    eager, sdpa = _pair()
+    ids = torch.randint(1, 97, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding on row 0
+    with torch.no_grad():
+        torch.testing.assert_close(eager(ids).logits, sdpa(ids).logits, atol=1e-5, rtol=1e-5)
+        a, b = eager(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[0, 3:], b[0, 3:], atol=1e-5, rtol=1e-5)  # non-padded rows only
+    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
+
+
+def test_eager_equals_sdpa_with_non_empty_cache_and_mask():
+    eager, sdpa = _pair()
+    ids = torch.randint(1, 97, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    results = []
+    with torch.no_grad():
+        for model in (eager, sdpa):
+            cache = DynamicCache(config=model.config)
+            model(ids[:, :6], attention_mask=mask[:, :6], cache=cache, use_cache=True)
+            results.append(model(ids[:, 6:], attention_mask=mask, cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
+
+
+def test_set_attn_implementation_switches_kernel():
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    out = model(torch.tensor([[1, 2, 3]]), output_attentions=True)
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 3, 3)
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_flash_attention_2_without_the_package_is_a_clear_error():
+    try:
+        import flash_attn  # noqa: F401
+        pytest.skip("flash_attn is installed: the error path cannot be exercised here")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="FlashAttention2"):
+        MiniMindForCausalLM(tiny_config(attn_implementation="flash_attention_2"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash_attention_2 needs a CUDA GPU")
+def test_flash_attention_2_matches_sdpa_on_gpu():
+    pytest.importorskip("flash_attn")
+    fa = tiny_model(std=0.1, attn_implementation="flash_attention_2").cuda().bfloat16()
+    sd = tiny_model(std=0.1, attn_implementation="sdpa").cuda().bfloat16()
+    ids = torch.randint(1, 97, (2, 16), device="cuda")
+    torch.testing.assert_close(fa(ids).logits, sd(ids).logits, atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Parity with transformers' Qwen3 / Qwen3-MoE
+# ------------------------------------------------------------------------------------------------------
+
+def _qwen3_config(config, moe=False):
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                  intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                  num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                  head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+                  max_position_embeddings=config.max_position_embeddings,
+                  rope_parameters=dict(config.rope_parameters), tie_word_embeddings=config.tie_word_embeddings,
+                  attention_bias=False, attn_implementation="eager")
+    if not moe:
+        return Qwen3Config(**common)
+    return Qwen3MoeConfig(**common, num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                          moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                          decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=config.mlp_only_layers,
+                          router_aux_loss_coef=config.router_aux_loss_coef)
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_equal_qwen3_with_same_weights(rope, tied):
+    from transformers import Qwen3ForCausalLM
+
+    ours = tiny_model(std=0.1, rope_scaling=rope, tie_word_embeddings=tied, attn_implementation="eager")
+    theirs = Qwen3ForCausalLM(_qwen3_config(ours.config)).eval()
+    result = theirs.load_state_dict(ours.state_dict(), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    ids = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=1e-5)
+    if rope:
+        assert ours.model.rotary_emb.attention_scaling == pytest.approx(theirs.model.rotary_emb.attention_scaling)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 64},
+    {"factor": 16.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0},
+    {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.0, "truncate": False},
+])
+def test_yarn_inv_freq_equals_transformers_yarn_init(params):
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = tiny_config(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", **params})
+    reference = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=32768,
+                            rope_parameters=dict(config.rope_parameters))
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](reference)
+    inv, factor = compute_rope_inv_freq(config)
+    torch.testing.assert_close(inv, ref_inv, atol=0, rtol=1e-6)
+    assert factor == pytest.approx(ref_factor, rel=1e-12)
+
+
+def _fuse_experts_for_qwen3_moe(state_dict, config):
+    """Our per-expert Linear weights -> Qwen3-MoE 5.x's fused [E, 2I, D] / [E, D, I] tensors."""
+    fused = {}
+    for key, value in state_dict.items():
+        if ".mlp.experts." not in key:
+            fused[key] = value
+    for i in range(config.num_hidden_layers):
+        if not config.is_moe_layer(i):
+            continue
+        prefix = f"model.layers.{i}.mlp.experts"
+        experts = range(config.num_experts)
+        fused[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat(
+            [state_dict[f"{prefix}.{e}.gate_proj.weight"], state_dict[f"{prefix}.{e}.up_proj.weight"]]) for e in experts])
+        fused[f"{prefix}.down_proj"] = torch.stack([state_dict[f"{prefix}.{e}.down_proj.weight"] for e in experts])
+    return fused
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_logits_and_aux_loss_equal_qwen3_moe(top_k):
+    from transformers import Qwen3MoeForCausalLM
+
+    ours = tiny_model(std=0.1, use_moe=True, num_experts=4, num_experts_per_tok=top_k, num_hidden_layers=3,
+                      mlp_only_layers=[1], attn_implementation="eager")
+    theirs = Qwen3MoeForCausalLM(_qwen3_config(ours.config, moe=True)).eval()
+    theirs.load_state_dict(_fuse_experts_for_qwen3_moe(ours.state_dict(), ours.config), strict=True)
+    ids = torch.randint(0, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask, labels=ids)
+        b = theirs(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    torch.testing.assert_close(a.logits[1], b.logits[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.logits[0, 4:], b.logits[0, 4:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.aux_loss, b.aux_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Mixture of experts
+# ------------------------------------------------------------------------------------------------------
+
+def test_moe_block_equals_plain_per_token_routing():
+    config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    moe = MiniMindMoE(config)
+    x = torch.randn(2, 5, config.hidden_size)
+    out, logits = moe(x)
+    reference = torch.zeros_like(x.view(-1, config.hidden_size))
+    probs = logits.softmax(-1)
+    for t, token in enumerate(x.view(-1, config.hidden_size)):
+        w, e = probs[t].topk(2)
+        w = w / w.sum()
+        reference[t] = sum(w[j] * moe.experts[e[j]](token) for j in range(2))
+    torch.testing.assert_close(out.view(-1, config.hidden_size), reference, atol=1e-6, rtol=1e-5)
+
+
+def test_moe_aux_loss_in_loss_with_labels_and_absent_at_generation(monkeypatch):
+    import modeling_minimind
+
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2)
+    ids = torch.randint(0, 97, (2, 6))
+    out = model(ids, labels=ids)
+    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    lm_only = model.loss_function(logits=out.logits, labels=ids, vocab_size=97)
+    torch.testing.assert_close(out.loss, lm_only + 5e-4 * out.aux_loss)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (12, 4)
+
+    calls = []
+    original = modeling_minimind.load_balancing_loss
+    monkeypatch.setattr(modeling_minimind, "load_balancing_loss", lambda *a, **k: calls.append(1) or original(*a, **k))
+    plain = model(ids)
+    assert plain.aux_loss is None and plain.router_logits is None and not calls
+    generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    assert generated.shape == (2, 9) and not calls
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_router_learns_from_lm_loss_for_every_k(top_k):
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=top_k, router_aux_loss_coef=0.0)
+    model.train()
+    ids = torch.randint(0, 97, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    grad = model.model.layers[0].mlp.gate.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def test_moe_generate_with_left_padding_matches_unpadded():
+    model = tiny_model(std=0.2, use_moe=True, num_experts=4, num_experts_per_tok=2)
+    batch = torch.tensor([[0, 0, 9, 4, 7], [3, 5, 8, 1, 2]])
+    mask = (batch != 0).long()
+    together = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    alone = model.generate(batch[:1, 2:], max_new_tokens=5, do_sample=False)
+    assert torch.equal(together[0, 5:], alone[0, 3:])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Forward contract
+# ------------------------------------------------------------------------------------------------------
+
+def test_inputs_embeds_hidden_states_return_dict_and_logits_to_keep():
+    model = tiny_model(std=0.1)
+    ids = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        base = model(ids, output_hidden_states=True)
+        from_embeds = model(inputs_embeds=model.get_input_embeddings()(ids)).logits
+        last_two = model(ids, logits_to_keep=2).logits
+        as_tuple = model(ids, return_dict=False, use_cache=False)
+    torch.testing.assert_close(from_embeds, base.logits)
+    assert len(base.hidden_states) == 3 and base.hidden_states[0].shape == (2, 6, 64)
+    torch.testing.assert_close(last_two, base.logits[:, -2:])
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], base.logits)
+
+
+def test_logits_to_keep_with_labels_scores_the_kept_window():
+    model = tiny_model(std=0.1)
+    ids = torch.randint(0, 97, (2, 8))
+    full = model(ids)
+    kept = model(ids, labels=ids, logits_to_keep=3)
+    expected = model.loss_function(logits=full.logits[:, -3:].contiguous(), labels=ids[:, -3:], vocab_size=97)
+    torch.testing.assert_close(kept.loss, expected)
+
+
+def test_shifted_label_loss_ignores_minus_100():
+    model = tiny_model(std=0.1)
+    ids = torch.randint(0, 97, (1, 6))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    logits = model(ids).logits
+    manual = torch.nn.functional.cross_entropy(logits[0, 2:-1], ids[0, 3:])
+    torch.testing.assert_close(model(ids, labels=labels).loss, manual)
+
+
+def test_resize_token_embeddings_keeps_the_tie():
+    model = tiny_model()
+    model.resize_token_embeddings(120)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.shape == (120, 64) and model.config.vocab_size == 120
+
+
+def test_bf16_autocast_training_stays_finite():
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 97, (2, 16))
+    losses = []
+    for _ in range(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny_model(std=0.1).train()
+    ids = torch.randint(0, 97, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(ids, labels=ids, use_cache=True).loss.backward()
+    for a, b in zip(plain, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------------
+
+def test_token_ids_outside_vocabulary_raise():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"token id\(s\) \[97, 500\] outside the vocabulary \[0, 97\)"):
+        model(torch.tensor([[1, 97, 500]]))
+    with pytest.raises(ValueError, match=r"token id\(s\) \[-3\]"):
+        model(torch.tensor([[-3, 2]]))
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 5), (1, 6), (2, 1, 5, 6), (2, 6, 1)])
+def test_attention_mask_of_the_wrong_shape_raises(mask_shape):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"attention_mask has shape .* Fix: pass one mask column"):
+        model(torch.randint(0, 97, (2, 6)), attention_mask=torch.ones(mask_shape, dtype=torch.long))
+
+
+def test_sequence_beyond_max_position_embeddings_raises():
+    model = tiny_model(max_position_embeddings=16)
+    model(torch.randint(0, 97, (1, 16)))  # exactly the limit is fine
+    with pytest.raises(ValueError, match=r"Sequence of 17 tokens exceeds max_position_embeddings=16"):
+        model(torch.randint(0, 97, (1, 17)))
+    cache = DynamicCache(config=model.config)
+    model(torch.randint(0, 97, (1, 16)), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
+        model(torch.randint(0, 97, (1, 1)), cache=cache, use_cache=True)
