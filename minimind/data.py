@@ -1,0 +1,450 @@
+"""Validated loading of MiniMind's JSONL training files into tokenised datasets.
+
+File formats (the same as upstream MiniMind, one JSON object per line):
+
+* pretrain: ``{"text": "..."}``
+* sft:      ``{"conversations": [{"role": ..., "content": ...}, ...], "tools": [...]?}``
+  roles are system / user / assistant / tool; an assistant message may carry
+  ``tool_calls`` (OpenAI style) and then may have empty content.
+* dpo:      ``{"chosen": [messages...], "rejected": [messages...]}``, each
+  ending with the assistant reply being compared.
+
+Every line is checked before anything is tokenised, so a broken file fails
+at dataset build time, with file name, line number, the problem and a fix,
+instead of in the middle of training.  Blank lines are ignored.
+
+Conventions:
+
+* Pretraining text is wrapped as ``<|im_start|>`` + text + ``<|im_end|>``
+  (bos + text + eos, like upstream MiniMind), concatenated and cut into
+  blocks of exactly ``max_seq_length`` tokens; only the final remainder is
+  dropped.  Blocks may span document boundaries (standard packing; the eos
+  token marks where one text ends).  ``labels == input_ids`` because the
+  model shifts labels internally.  Batch them with
+  ``transformers.default_data_collator``.
+* Chat rows are rendered with the tokenizer's chat template.  Only assistant
+  replies are trained: the reply's tokens and its closing ``<|im_end|>`` get
+  real labels, everything else (system/user/tool turns, the
+  ``<|im_start|>assistant\\n`` header, the newline after ``<|im_end|>``) is
+  -100.  Rows are truncated to ``max_seq_length`` but not padded; pad per
+  batch with :func:`sft_collator` (SFT) or :class:`DPOCollator` (DPO).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset
+
+logger = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+KINDS = ("pretrain", "sft", "dpo")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataFormatError(ValueError):
+    """A training file is malformed, or yields no usable examples."""
+
+
+class _RowError(Exception):
+    """A problem with one row; read_jsonl adds the file name and line number."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+# --------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_tool_calls(tool_calls: Any, where: str) -> None:
+    if not isinstance(tool_calls, list) or not tool_calls:
+        raise _RowError(f"{where} 'tool_calls' must be a non-empty list, got {_type_name(tool_calls)}",
+                        'write "tool_calls": [{"type": "function", "function": {"name": ..., "arguments": {...}}}]')
+    for j, call in enumerate(tool_calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _RowError(f"{where} tool call {j} has no string 'name'",
+                            'give each tool call {"function": {"name": "...", "arguments": {...}}}')
+        if not isinstance(function.get("arguments", {}), (dict, str)):
+            raise _RowError(f"{where} tool call {j} 'arguments' must be an object or a JSON string",
+                            'write "arguments": {"param": value}')
+
+
+def _check_conversation(messages: Any, key: str) -> None:
+    """Raise _RowError unless ``messages`` is a trainable chat."""
+    if not isinstance(messages, list):
+        raise _RowError(f"'{key}' must be a list of messages, got {_type_name(messages)}",
+                        f'write "{key}": [{{"role": "user", "content": "..."}}, '
+                        '{"role": "assistant", "content": "..."}]')
+    if not messages:
+        raise _RowError(f"'{key}' is empty", "add at least a user message and an assistant reply, or delete the line")
+    for i, message in enumerate(messages):
+        where = f"'{key}' message {i}"
+        if not isinstance(message, dict):
+            raise _RowError(f"{where} must be an object, got {_type_name(message)}",
+                            'write each message as {"role": "...", "content": "..."}')
+        role = message.get("role")
+        if role not in ROLES:
+            raise _RowError(f"{where} has unknown role {role!r}",
+                            f"use one of {', '.join(ROLES)} (e.g. rename 'human' to 'user', 'gpt' to 'assistant')")
+        content = message.get("content")
+        has_calls = role == "assistant" and message.get("tool_calls") is not None
+        if has_calls:
+            _check_tool_calls(message["tool_calls"], where)
+        if content is None and has_calls:
+            continue
+        if not isinstance(content, str):
+            raise _RowError(f"{where} ({role}) 'content' must be a string, got {_type_name(content)}",
+                            'write "content": "..." (plain text; lists of parts are not supported)')
+        if role == "assistant" and not has_calls and not content.strip():
+            raise _RowError(f"{where} is an assistant reply with empty content",
+                            "write the reply text, or delete the message")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _RowError(f"'{key}' has no assistant message, so there is nothing to train on",
+                        'add a reply {"role": "assistant", "content": "..."}')
+
+
+def _check_row(row: Any, kind: str) -> None:
+    if not isinstance(row, dict):
+        raise _RowError(f"expected a JSON object, got {_type_name(row)}",
+                        _EXAMPLES[kind])
+    if kind == "pretrain":
+        if "text" not in row:
+            raise _RowError("missing key 'text'", _EXAMPLES[kind])
+        if not isinstance(row["text"], str):
+            raise _RowError(f"'text' must be a string, got {_type_name(row['text'])}", _EXAMPLES[kind])
+        if not row["text"].strip():
+            raise _RowError("'text' is empty", "delete the line or put text in it")
+    elif kind == "sft":
+        if "conversations" not in row:
+            raise _RowError("missing key 'conversations'", _EXAMPLES[kind])
+        _check_conversation(row["conversations"], "conversations")
+        tools = row.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise _RowError("'tools' must be a list of objects (JSON schemas)",
+                            'write "tools": [{"type": "function", "function": {...}}] or drop the key')
+    else:
+        for key in ("chosen", "rejected"):
+            if key not in row:
+                raise _RowError(f"missing key '{key}'", _EXAMPLES[kind])
+            _check_conversation(row[key], key)
+            if row[key][-1]["role"] != "assistant":
+                raise _RowError(f"'{key}' must end with the assistant reply being compared",
+                                f"make the last message of '{key}' the assistant answer")
+
+
+_EXAMPLES = {
+    "pretrain": 'each line must look like {"text": "some training text"}',
+    "sft": 'each line must look like {"conversations": [{"role": "user", "content": "Hi"}, '
+           '{"role": "assistant", "content": "Hello!"}]}',
+    "dpo": 'each line must look like {"chosen": [{"role": "user", "content": "Q"}, '
+           '{"role": "assistant", "content": "good answer"}], "rejected": [{"role": "user", '
+           '"content": "Q"}, {"role": "assistant", "content": "bad answer"}]}',
+}
+
+
+def read_jsonl(path: str | Path, kind: str, skip_bad_lines: bool = False) -> tuple[list[dict], int]:
+    """Read and validate a JSONL file of ``kind``; return (rows, number of skipped bad lines).
+
+    Raises DataFormatError naming the file and 1-based line on the first bad
+    line, unless ``skip_bad_lines`` (then bad lines are counted and a warning
+    is logged).  A file with no valid rows always raises.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    path = Path(path)
+    rows: list[dict] = []
+    skipped = 0
+    first_skip = ""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                # Decode per line so an encoding error still gets a line number.
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _RowError(f"invalid JSON ({e.msg} at column {e.colno})",
+                                    "check for unbalanced quotes/brackets or a trailing comma; "
+                                    "each line must be one complete JSON object") from None
+                _check_row(row, kind)
+            except UnicodeDecodeError:
+                error = _RowError("not valid UTF-8", "re-save the file as UTF-8")
+            except _RowError as e:
+                error = e
+            else:
+                rows.append(row)
+                continue
+            message = f"{path}, line {lineno}: {error.problem}. Fix: {error.fix}."
+            if not skip_bad_lines:
+                raise DataFormatError(message)
+            skipped += 1
+            first_skip = first_skip or message
+    if skipped:
+        logger.warning("skipped %d bad line(s) in %s (first: %s)", skipped, path, first_skip)
+    if not rows:
+        detail = f"all {skipped} non-blank line(s) are malformed" if skipped else "the file has no non-blank lines"
+        raise DataFormatError(f"{path}: no valid {kind} examples ({detail}). Fix: {_EXAMPLES[kind]}.")
+    return rows, skipped
+
+
+# --------------------------------------------------------------------------
+# Pretraining
+# --------------------------------------------------------------------------
+
+def pack_sequences(batch: dict[str, list], block_size: int) -> dict[str, list]:
+    """Concatenate ``batch["input_ids"]`` and cut into full blocks of ``block_size``; drop the remainder."""
+    stream = list(chain.from_iterable(batch["input_ids"]))
+    usable = len(stream) // block_size * block_size
+    blocks = [stream[i:i + block_size] for i in range(0, usable, block_size)]
+    return {
+        "input_ids": blocks,
+        "labels": [list(b) for b in blocks],
+        "attention_mask": [[1] * block_size for _ in blocks],
+    }
+
+
+def build_pretrain_dataset(
+    path: str | Path,
+    tokenizer,
+    max_seq_length: int,
+    skip_bad_lines: bool = False,
+    pack_batch_size: int | None = None,
+    num_proc: int | None = None,
+) -> Dataset:
+    """Packed pretraining blocks (input_ids, labels, attention_mask) of exactly ``max_seq_length`` tokens.
+
+    By default all token ids are packed in one pass so only the last partial
+    block is lost; for very large corpora pass ``pack_batch_size`` (rows per
+    packing batch) to bound memory, at the cost of one partial block per batch.
+    """
+    rows, _ = read_jsonl(path, "pretrain", skip_bad_lines)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [[bos, *x, eos] for x in ids]}
+
+    dataset = Dataset.from_dict({"text": [row["text"] for row in rows]})
+    dataset = dataset.map(tokenize, batched=True, remove_columns=["text"], num_proc=num_proc,
+                          desc="tokenising pretrain text")
+    n_tokens = sum(len(x) for x in dataset["input_ids"])
+    dataset = dataset.map(pack_sequences, batched=True, batch_size=pack_batch_size,
+                          fn_kwargs={"block_size": max_seq_length}, desc="packing")
+    if len(dataset) == 0:
+        raise DataFormatError(
+            f"{path}: only {n_tokens} tokens, fewer than max_seq_length={max_seq_length}, so not one "
+            "training block can be made. Fix: lower max_seq_length or add more text.")
+    return dataset
+
+
+# --------------------------------------------------------------------------
+# Chat (SFT / DPO)
+# --------------------------------------------------------------------------
+
+def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def encode_chat(
+    tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    max_seq_length: int | None = None,
+) -> dict[str, list[int]]:
+    """Tokenise one conversation; labels are -100 except assistant replies and their ``<|im_end|>``.
+
+    The reply spans are found in the rendered text: rendering the messages
+    before an assistant turn with ``add_generation_prompt=True`` gives exactly
+    the text up to the start of its reply (the template is prefix-stable), and
+    the reply ends at the next eos token.  Tokens are then labelled by their
+    character offsets.  A token counts as part of a reply when it starts
+    inside it; so if a reply begins with a newline that BPE merges with the
+    header's newline, that first newline is not trained (harmless edge case).
+    """
+    eos = tokenizer.eos_token
+    text = _render(tokenizer, messages, tools, add_generation_prompt=False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = _render(tokenizer, messages[:i], tools, add_generation_prompt=True)
+        if not text.startswith(prefix):
+            raise ValueError("the tokenizer's chat template is not prefix-stable; cannot locate assistant replies")
+        start = len(prefix)
+        spans.append((start, text.index(eos, start) + len(eos)))
+
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = encoding["input_ids"]
+    labels = [
+        token if any(lo <= start < hi for lo, hi in spans) else IGNORE_INDEX
+        for token, (start, _) in zip(input_ids, encoding["offset_mapping"])
+    ]
+    if max_seq_length is not None:
+        input_ids, labels = input_ids[:max_seq_length], labels[:max_seq_length]
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": [1] * len(input_ids)}
+
+
+def _has_targets(labels: list[int]) -> bool:
+    return any(label != IGNORE_INDEX for label in labels)
+
+
+def _chat_source(rows: list[dict], keys: tuple[str, ...]) -> Dataset:
+    # Conversations are stored as JSON strings: Arrow would otherwise merge
+    # the keys of all messages / tool arguments into one struct type and add
+    # null fields that the chat template would then render.
+    columns = {key: [json.dumps(row[key], ensure_ascii=False) for row in rows] for key in keys}
+    columns["tools"] = [json.dumps(row.get("tools") or [], ensure_ascii=False) for row in rows]
+    return Dataset.from_dict(columns)
+
+
+def _drop_report(path, kind: str, before: int, after: int, max_seq_length: int) -> None:
+    if after == 0:
+        raise DataFormatError(
+            f"{path}: no {kind} example keeps any assistant tokens after truncation to "
+            f"max_seq_length={max_seq_length}. Fix: raise max_seq_length or shorten the prompts.")
+    if after < before:
+        logger.warning("%s: dropped %d of %d %s examples whose assistant reply starts after "
+                       "max_seq_length=%d", path, before - after, before, kind, max_seq_length)
+
+
+def build_sft_dataset(
+    path: str | Path,
+    tokenizer,
+    max_seq_length: int,
+    skip_bad_lines: bool = False,
+    num_proc: int | None = None,
+) -> Dataset:
+    """SFT rows (input_ids, labels, attention_mask), assistant-only labels, truncated, unpadded.
+
+    Rows whose assistant tokens are all cut off by truncation are dropped (with
+    a warning).  Pad batches with :func:`sft_collator`.
+    """
+    rows, _ = read_jsonl(path, "sft", skip_bad_lines)
+
+    def encode(batch):
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for conversation, tools in zip(batch["conversations"], batch["tools"]):
+            example = encode_chat(tokenizer, json.loads(conversation), json.loads(tools), max_seq_length)
+            if _has_targets(example["labels"]):
+                for key in out:
+                    out[key].append(example[key])
+        return out
+
+    source = _chat_source(rows, ("conversations",))
+    dataset = source.map(encode, batched=True, remove_columns=source.column_names, num_proc=num_proc,
+                         desc="tokenising SFT chats")
+    _drop_report(path, "sft", len(rows), len(dataset), max_seq_length)
+    return dataset
+
+
+def build_dpo_dataset(
+    path: str | Path,
+    tokenizer,
+    max_seq_length: int,
+    skip_bad_lines: bool = False,
+    num_proc: int | None = None,
+) -> Dataset:
+    """DPO rows with chosen_/rejected_ input_ids, labels, attention_mask (assistant-only labels).
+
+    A row is dropped (with a warning) when truncation removes all assistant
+    tokens of either side.  Pad batches with :class:`DPOCollator`.
+    """
+    rows, _ = read_jsonl(path, "dpo", skip_bad_lines)
+    sides = ("chosen", "rejected")
+
+    def encode(batch):
+        out = {f"{side}_{field}": [] for side in sides for field in ("input_ids", "labels", "attention_mask")}
+        for i in range(len(batch["chosen"])):
+            tools = json.loads(batch["tools"][i])
+            encoded = {side: encode_chat(tokenizer, json.loads(batch[side][i]), tools, max_seq_length)
+                       for side in sides}
+            if all(_has_targets(e["labels"]) for e in encoded.values()):
+                for side, example in encoded.items():
+                    for field, value in example.items():
+                        out[f"{side}_{field}"].append(value)
+        return out
+
+    source = _chat_source(rows, sides)
+    dataset = source.map(encode, batched=True, remove_columns=source.column_names, num_proc=num_proc,
+                         desc="tokenising DPO pairs")
+    _drop_report(path, "dpo", len(rows), len(dataset), max_seq_length)
+    return dataset
+
+
+def build_dataset(kind: str, path: str | Path, tokenizer, max_seq_length: int, **kwargs) -> Dataset:
+    """Dispatch to build_{pretrain,sft,dpo}_dataset by ``kind``."""
+    builders = {"pretrain": build_pretrain_dataset, "sft": build_sft_dataset, "dpo": build_dpo_dataset}
+    if kind not in builders:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return builders[kind](path, tokenizer, max_seq_length, **kwargs)
+
+
+# --------------------------------------------------------------------------
+# Batching and splitting
+# --------------------------------------------------------------------------
+
+def sft_collator(tokenizer, pad_to_multiple_of: int | None = None):
+    """Right-pad SFT batches: input_ids with pad id, attention_mask with 0, labels with -100.
+
+    transformers' DataCollatorForSeq2Seq does exactly this for decoder-only
+    features too (it pads ``labels`` itself and the rest via ``tokenizer.pad``).
+    """
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX,
+                                  pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")
+
+
+@dataclass
+class DPOCollator:
+    """Right-pad chosen and rejected sides to one common length, so they can share a forward pass."""
+
+    pad_token_id: int
+    label_pad_token_id: int = IGNORE_INDEX
+
+    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, Any]:
+        import torch
+
+        length = max(len(f[f"{side}_input_ids"]) for f in features for side in ("chosen", "rejected"))
+        fill = {"input_ids": self.pad_token_id, "labels": self.label_pad_token_id, "attention_mask": 0}
+        batch = {}
+        for side in ("chosen", "rejected"):
+            for field, value in fill.items():
+                key = f"{side}_{field}"
+                batch[key] = torch.tensor([f[key] + [value] * (length - len(f[key])) for f in features],
+                                          dtype=torch.long)
+        return batch
+
+
+def split_train_eval(dataset: Dataset, eval_fraction: float, seed: int = 42) -> tuple[Dataset, Dataset | None]:
+    """Shuffle and hold out ``eval_fraction`` of rows (at least one) for evaluation.
+
+    ``eval_fraction == 0`` returns ``(dataset, None)``.  Raises ValueError if
+    the split would leave the training or the eval side empty.
+    """
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if eval_fraction == 0:
+        return dataset, None
+    n_eval = max(1, round(len(dataset) * eval_fraction))
+    if n_eval >= len(dataset):
+        raise ValueError(f"cannot hold out {n_eval} eval example(s) from a dataset of {len(dataset)}; "
+                         "add data or set eval_fraction to 0")
+    split = dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+    return split["train"], split["test"]

@@ -1,0 +1,262 @@
+"""Train, save and load MiniMind's byte-level BPE tokenizer.
+
+Design facts (other modules and the GGUF export rely on them):
+
+* Byte-level BPE, so every Unicode string round-trips exactly:
+  ``decode(encode(s), skip_special_tokens=False) == s``.  There is no
+  normaliser on purpose (NFC would change some strings).
+* The pre-tokenizer is the Qwen2 split regex followed by a regex-free
+  ByteLevel step.  That is exactly what llama.cpp calls the ``qwen2``
+  pre-tokenizer, so a GGUF export can declare ``tokenizer.ggml.pre = qwen2``.
+* Special tokens have fixed ids, whatever corpus the tokenizer is trained on:
+  ``<|endoftext|>`` 0 (pad and unk), ``<|im_start|>`` 1 (bos),
+  ``<|im_end|>`` 2 (eos), then ``<think>`` 3, ``</think>`` 4,
+  ``<tool_call>`` 5, ``</tool_call>`` 6.  The last four are ordinary added
+  tokens (not "special"), so ``skip_special_tokens=True`` keeps them visible
+  to reasoning / tool-call parsers.
+* Encoding never inserts bos/eos by itself; callers add them where the
+  format needs them (see ``minimind.data``).
+* The chat template is ChatML (see ``CHAT_TEMPLATE``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN = UNK_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+# Order defines the ids: position in this list == token id.
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<think>", "</think>", "<tool_call>", "</tool_call>",
+]
+# Tokens that must survive ``skip_special_tokens=True`` decoding.
+NON_SKIPPED_TOKENS = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
+
+DEFAULT_VOCAB_SIZE = 6400
+MODEL_MAX_LENGTH = 32768
+
+# llama.cpp's "qwen2" pre-tokenizer regex (from the Qwen2 tokenizer).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# ChatML.  Each message renders as "<|im_start|>{role}\n{content}<|im_end|>\n".
+# * ``tools`` (a list of JSON-schema dicts) go into a system message; when the
+#   conversation starts with a system message, its content comes first and the
+#   tool description is appended to it.
+# * An assistant message's ``tool_calls`` render after its content, each as
+#   "<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>" (one per line);
+#   OpenAI-style {"type": "function", "function": {...}} entries are unwrapped,
+#   and string ``arguments`` are inserted verbatim (they are already JSON).
+# * ``tool`` messages render with role "tool".
+# * ``add_generation_prompt`` appends "<|im_start|>assistant\n".
+# * No default system prompt is injected.
+# The template is prefix-stable (rendering the first k messages gives a prefix
+# of rendering all of them); minimind.data relies on that to mask labels.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}"
+    "{{- messages[0].content + '\\n\\n' }}"
+    "{%- endif %}"
+    "{{- 'You can call the following tools. Each is described by a JSON schema:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nTo call a tool, reply with <tool_call>\\n"
+    "{\"name\": <tool-name>, \"arguments\": <arguments-as-json-object>}\\n"
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.content is string %}{{- message.content }}{%- endif %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def iter_texts(files: Iterable[str | Path]) -> Iterator[str]:
+    """Yield training text from JSONL corpora (pretrain/SFT/DPO) or plain text files.
+
+    JSONL lines contribute their "text" field, the "content" of every
+    message in "conversations", "chosen" or "rejected", and (as JSON) any
+    "tools" and "tool_calls".  Other files are read
+    line by line.  Unparseable JSONL lines are skipped: strict checking is the
+    data loader's job, the tokenizer only needs representative text.
+    """
+    for file in files:
+        path = Path(file)
+        with path.open(encoding="utf-8") as f:
+            if path.suffix != ".jsonl":
+                yield from f
+                continue
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(row, dict):
+                    continue
+                if isinstance(row.get("text"), str):
+                    yield row["text"]
+                # Tool schemas and calls are seen as JSON at chat time, so
+                # the tokenizer should learn JSON pieces too.
+                if row.get("tools"):
+                    yield json.dumps(row["tools"], ensure_ascii=False)
+                for key in ("conversations", "chosen", "rejected"):
+                    for message in row.get(key) or []:
+                        if not isinstance(message, dict):
+                            continue
+                        if isinstance(message.get("content"), str):
+                            yield message["content"]
+                        if message.get("tool_calls"):
+                            yield json.dumps(message["tool_calls"], ensure_ascii=False)
+
+
+def build_bpe_tokenizer() -> Tokenizer:
+    """An untrained tokenizer with MiniMind's pipeline (no normaliser, qwen2 split, byte level)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    return tokenizer
+
+
+def _unmark_special(tokenizer: Tokenizer) -> Tokenizer:
+    """Flip <think>/<tool_call> & co. to non-special added tokens, ids unchanged.
+
+    BpeTrainer registers all its special tokens as special; editing the JSON
+    is the only way to keep their fixed ids while changing the flag.
+    """
+    state = json.loads(tokenizer.to_str())
+    for entry in state["added_tokens"]:
+        if entry["content"] in NON_SKIPPED_TOKENS:
+            entry["special"] = False
+    return Tokenizer.from_str(json.dumps(state))
+
+
+def check_special_ids(tokenizer) -> None:
+    """Raise if any special token is missing or not at its fixed id."""
+    # Accepts both a tokenizers.Tokenizer and a transformers tokenizer.
+    lookup = getattr(tokenizer, "convert_tokens_to_ids", None) or tokenizer.token_to_id
+    for expected_id, token in enumerate(SPECIAL_TOKENS):
+        actual = lookup(token)
+        if actual != expected_id:
+            raise ValueError(f"special token {token!r} has id {actual}, expected {expected_id}")
+
+
+def wrap_tokenizer(tokenizer: Tokenizer):
+    """Wrap a trained ``tokenizers.Tokenizer`` as a transformers fast tokenizer with our settings."""
+    from transformers import PreTrainedTokenizerFast
+
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        model_max_length=MODEL_MAX_LENGTH,
+        padding_side="right",
+        # Cleaning up spaces (" ." -> ".") would break exact round-trips.
+        clean_up_tokenization_spaces=False,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def save_tokenizer(tokenizer, output_dir: str | Path) -> Path:
+    """Save a transformers tokenizer so both transformers 4.5x and 5.x can load it.
+
+    transformers 5 writes ``"tokenizer_class": "TokenizersBackend"`` (unknown
+    to 4.x) and keeps the chat template only in ``chat_template.jinja``.  We
+    rewrite the class to ``PreTrainedTokenizerFast``, also store the template
+    under ``"chat_template"`` in tokenizer_config.json, and turn a list-valued
+    ``extra_special_tokens`` (5.x) into ``additional_special_tokens`` (4.x
+    expects a dict there).  Training scripts call this for model directories.
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(output_dir))
+
+    config_path = output_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if tokenizer.chat_template:
+        config["chat_template"] = tokenizer.chat_template
+        (output_dir / "chat_template.jinja").write_text(tokenizer.chat_template, encoding="utf-8")
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, list):
+        del config["extra_special_tokens"]
+        if extra:
+            config["additional_special_tokens"] = extra
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return output_dir
+
+
+def train_tokenizer(
+    files: Iterable[str | Path],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    output_dir: str | Path | None = None,
+    min_frequency: int = 2,
+):
+    """Train the byte-level BPE tokenizer on ``files``; optionally save it; return the HF tokenizer.
+
+    ``vocab_size`` is an upper bound: a small or repetitive corpus may run out
+    of merges first (the achieved size is logged).
+    """
+    files = [Path(f) for f in files]
+    if not files:
+        raise ValueError("train_tokenizer needs at least one input file")
+    if vocab_size < len(SPECIAL_TOKENS) + 256:
+        raise ValueError(f"vocab_size must be at least {len(SPECIAL_TOKENS) + 256} (specials + 256 bytes)")
+
+    tokenizer = build_bpe_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        # Every byte gets a token, so no input is ever unknown.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(iter_texts(files), trainer=trainer)
+    tokenizer = _unmark_special(tokenizer)
+    check_special_ids(tokenizer)
+    logger.info("trained tokenizer with %d tokens (requested %d)", tokenizer.get_vocab_size(), vocab_size)
+
+    wrapped = wrap_tokenizer(tokenizer)
+    if output_dir is not None:
+        save_tokenizer(wrapped, output_dir)
+    return wrapped
+
+
+def load_tokenizer(path: str | Path):
+    """Load a saved tokenizer with AutoTokenizer and check the fixed special ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    check_special_ids(tokenizer)
+    return tokenizer

@@ -1,0 +1,240 @@
+"""minimind.data: validation messages, packing, assistant-only labels, collators, splits."""
+
+import json
+import logging
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from minimind.data import (  # noqa: E402
+    IGNORE_INDEX, DataFormatError, DPOCollator, build_dpo_dataset, build_pretrain_dataset, build_sft_dataset,
+    encode_chat, read_jsonl, sft_collator, split_train_eval,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(str(ROOT / "tokenizer"))
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines), encoding="utf-8")
+    return path
+
+
+def chat(*pairs, system=None):
+    messages = [{"role": "system", "content": system}] if system else []
+    for question, answer in pairs:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+GOOD = {
+    "pretrain": {"text": "The sky is blue."},
+    "sft": {"conversations": chat(("What is 3 plus 4?", "3 plus 4 is 7."))},
+    "dpo": {"chosen": chat(("Q?", "right")), "rejected": chat(("Q?", "wrong"))},
+}
+
+# (kind, bad line, words the error must mention)
+BAD_LINES = [
+    ("pretrain", '{"text": "unterminated', "invalid JSON"),
+    ("pretrain", '["a", "list"]', "expected a JSON object, got list"),
+    ("pretrain", {"txt": "typo"}, "missing key 'text'"),
+    ("pretrain", {"text": 42}, "'text' must be a string, got int"),
+    ("pretrain", {"text": "   "}, "'text' is empty"),
+    ("sft", {"messages": []}, "missing key 'conversations'"),
+    ("sft", {"conversations": "hi"}, "'conversations' must be a list of messages, got str"),
+    ("sft", {"conversations": []}, "'conversations' is empty"),
+    ("sft", {"conversations": ["hi"]}, "message 0 must be an object, got str"),
+    ("sft", {"conversations": [{"role": "human", "content": "hi"}]}, "unknown role 'human'"),
+    ("sft", {"conversations": [{"role": "user", "content": None}]}, "'content' must be a string, got null"),
+    ("sft", {"conversations": [{"role": "user", "content": "hi"}]}, "has no assistant message"),
+    ("sft", {"conversations": chat(("hi", " "))}, "assistant reply with empty content"),
+    ("sft", {"conversations": chat(("hi", "yo")), "tools": "add"}, "'tools' must be a list"),
+    ("sft", {"conversations": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": None, "tool_calls": [{"arguments": {}}]}]},
+     "tool call 0 has no string 'name'"),
+    ("dpo", {"chosen": chat(("Q", "A"))}, "missing key 'rejected'"),
+    ("dpo", {"chosen": chat(("Q", "A")), "rejected": [{"role": "user", "content": "Q"}]},
+     "'rejected' has no assistant message"),
+    ("dpo", {"chosen": chat(("Q", "A")) + [{"role": "user", "content": "more"}], "rejected": chat(("Q", "B"))},
+     "'chosen' must end with the assistant reply"),
+]
+
+
+@pytest.mark.parametrize("kind, bad, expected", BAD_LINES)
+def test_malformed_line_names_file_and_line(tmp_path, kind, bad, expected):
+    # The bad line is line 4: after a good line and a blank line that must still be counted.
+    path = write_lines(tmp_path / f"my_{kind}.jsonl", [GOOD[kind], "", GOOD[kind], bad, GOOD[kind]])
+    with pytest.raises(DataFormatError) as info:
+        read_jsonl(path, kind)
+    message = str(info.value)
+    assert f"my_{kind}.jsonl, line 4: " in message
+    assert expected in message
+    assert "Fix: " in message
+
+
+def test_invalid_utf8_has_line_number(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataFormatError, match=r"latin1\.jsonl, line 2: not valid UTF-8"):
+        read_jsonl(path, "pretrain")
+
+
+def test_builders_fail_before_tokenising(tmp_path, tok):
+    path = write_lines(tmp_path / "bad_sft.jsonl", [GOOD["sft"], {"conversations": []}])
+    with pytest.raises(DataFormatError, match=r"bad_sft\.jsonl, line 2: 'conversations' is empty"):
+        build_sft_dataset(path, tok, 64)
+
+
+def test_skip_bad_lines_counts(tmp_path, tok, caplog):
+    lines = [GOOD["pretrain"], "not json", {"text": 1}, "", GOOD["pretrain"], {"nope": 1}]
+    path = write_lines(tmp_path / "mixed.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="minimind.data"):
+        rows, skipped = read_jsonl(path, "pretrain", skip_bad_lines=True)
+    assert (len(rows), skipped) == (2, 3)
+    assert "skipped 3 bad line(s)" in caplog.text and "mixed.jsonl, line 2" in caplog.text
+    assert len(build_pretrain_dataset(path, tok, 4, skip_bad_lines=True)) > 0
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "sft", "dpo"])
+def test_empty_file_raises(tmp_path, kind):
+    path = write_lines(tmp_path / "empty.jsonl", ["", "   "])
+    with pytest.raises(DataFormatError, match=r"empty\.jsonl: no valid .* examples \(the file has no non-blank"):
+        read_jsonl(path, kind)
+
+
+def test_all_bad_with_skip_raises(tmp_path):
+    path = write_lines(tmp_path / "allbad.jsonl", ["{", "}"])
+    with pytest.raises(DataFormatError, match=r"all 2 non-blank line\(s\) are malformed"):
+        read_jsonl(path, "pretrain", skip_bad_lines=True)
+
+
+def test_pretrain_packing_exact_blocks(tmp_path, tok):
+    texts = [f"Story {i}: the cat sat on the mat and ate {i} apples." * (1 + i % 3) for i in range(40)]
+    path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts])
+    block = 32
+    dataset = build_pretrain_dataset(path, tok, block)
+
+    stream = []
+    for text in texts:
+        stream += [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    assert len(dataset) == len(stream) // block
+    packed = [t for row in dataset["input_ids"] for t in row]
+    assert packed == stream[:len(packed)]  # order kept, nothing lost but the tail
+    assert len(stream) - len(packed) < block
+    for row in dataset:
+        assert len(row["input_ids"]) == block
+        assert row["labels"] == row["input_ids"]
+        assert row["attention_mask"] == [1] * block
+
+
+def test_pretrain_too_short_raises(tmp_path, tok):
+    path = write_lines(tmp_path / "short.jsonl", [{"text": "hi"}])
+    with pytest.raises(DataFormatError, match="fewer than max_seq_length=512"):
+        build_pretrain_dataset(path, tok, 512)
+
+
+def assistant_targets(tok, example):
+    """Decode the labelled tokens as runs of consecutive positions."""
+    runs, current = [], []
+    for token, label in zip(example["input_ids"], example["labels"]):
+        assert label in (IGNORE_INDEX, token)
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tok.decode(run, skip_special_tokens=False) for run in runs]
+
+
+def test_sft_labels_token_by_token(tmp_path, tok):
+    messages = chat(("What is 3 plus 4?", "3 plus 4 is 7."),
+                    ("And the colour of the sky?", "\nThe sky is blue. 😀\n"), system="Be brief.")
+    path = write_lines(tmp_path / "s.jsonl", [{"conversations": messages}])
+    example = build_sft_dataset(path, tok, 512)[0]
+    assert tok.decode(example["input_ids"], skip_special_tokens=False) == tok.apply_chat_template(messages, tokenize=False)
+    assert assistant_targets(tok, example) == ["3 plus 4 is 7.<|im_end|>", "\nThe sky is blue. 😀\n<|im_end|>"]
+    assert example["attention_mask"] == [1] * len(example["input_ids"])
+
+
+def test_sft_labels_with_tool_calls(tok):
+    messages = [
+        {"role": "user", "content": "Add 1 and 2."},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "It is 3."},
+    ]
+    tools = [{"type": "function", "function": {"name": "add"}}]
+    example = encode_chat(tok, messages, tools)
+    assert assistant_targets(tok, example) == [
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>', "It is 3.<|im_end|>"]
+
+
+def test_sft_truncation_and_drop(tmp_path, tok, caplog):
+    long_prompt = chat(("word " * 200, "late answer"))
+    path = write_lines(tmp_path / "t.jsonl", [GOOD["sft"], {"conversations": long_prompt}])
+    with caplog.at_level(logging.WARNING, logger="minimind.data"):
+        dataset = build_sft_dataset(path, tok, 24)
+    assert len(dataset) == 1 and "dropped 1 of 2" in caplog.text
+    assert len(dataset[0]["input_ids"]) <= 24
+    only_long = write_lines(tmp_path / "only_long.jsonl", [{"conversations": long_prompt}])
+    with pytest.raises(DataFormatError, match="no sft example keeps any assistant tokens"):
+        build_sft_dataset(only_long, tok, 24)
+
+
+def test_sft_collator_pads(tmp_path, tok):
+    path = write_lines(tmp_path / "c.jsonl", [GOOD["sft"], {"conversations": chat(("Hi", "Hello there, friend!"))}])
+    dataset = build_sft_dataset(path, tok, 128)
+    batch = sft_collator(tok)([dataset[0], dataset[1]])
+    lengths = [len(dataset[i]["input_ids"]) for i in range(2)]
+    assert batch["input_ids"].shape == (2, max(lengths))
+    short = lengths.index(min(lengths))
+    assert batch["input_ids"][short, min(lengths):].tolist() == [tok.pad_token_id] * (max(lengths) - min(lengths))
+    assert batch["labels"][short, min(lengths):].tolist() == [IGNORE_INDEX] * (max(lengths) - min(lengths))
+    assert batch["attention_mask"].sum().item() == sum(lengths)
+
+
+def test_dpo_dataset_and_collator(tmp_path, tok):
+    row = {"chosen": chat(("What is 2 plus 2?", "2 plus 2 is 4.")),
+           "rejected": chat(("What is 2 plus 2?", "2 plus 2 is 5, or maybe 6."))}
+    path = write_lines(tmp_path / "d.jsonl", [row, GOOD["dpo"]])
+    dataset = build_dpo_dataset(path, tok, 128)
+    first = dataset[0]
+    chosen = {"input_ids": first["chosen_input_ids"], "labels": first["chosen_labels"]}
+    rejected = {"input_ids": first["rejected_input_ids"], "labels": first["rejected_labels"]}
+    assert assistant_targets(tok, chosen) == ["2 plus 2 is 4.<|im_end|>"]
+    assert assistant_targets(tok, rejected) == ["2 plus 2 is 5, or maybe 6.<|im_end|>"]
+
+    batch = DPOCollator(tok.pad_token_id)([dataset[0], dataset[1]])
+    length = max(len(dataset[i][k]) for i in range(2) for k in ("chosen_input_ids", "rejected_input_ids"))
+    for key, value in batch.items():
+        assert value.shape == (2, length), key
+    assert batch["chosen_labels"][0, len(chosen["labels"]):].eq(IGNORE_INDEX).all()
+    assert batch["chosen_attention_mask"][0].sum().item() == len(chosen["input_ids"])
+
+
+def test_split_train_eval(tmp_path, tok):
+    path = write_lines(tmp_path / "s.jsonl", [{"conversations": chat((f"Q{i}", f"A{i}"))} for i in range(20)])
+    dataset = build_sft_dataset(path, tok, 64)
+    train, held_out = split_train_eval(dataset, 0.1, seed=3)
+    assert (len(train), len(held_out)) == (18, 2)
+    again_train, again_eval = split_train_eval(dataset, 0.1, seed=3)
+    assert again_eval["input_ids"] == held_out["input_ids"]
+    assert split_train_eval(dataset, 0.0, seed=3) == (dataset, None)
+    with pytest.raises(ValueError):
+        split_train_eval(dataset.select([0]), 0.5, seed=3)
+
+
+def test_bundled_corpus_is_valid():
+    for name, kind in (("pretrain.jsonl", "pretrain"), ("sft.jsonl", "sft"), ("dpo.jsonl", "dpo")):
+        rows, skipped = read_jsonl(ROOT / "data" / name, kind)
+        assert rows and skipped == 0
