@@ -10,9 +10,11 @@ import math
 from transformers import PretrainedConfig
 
 _KNOWN_ROPE_TYPES = ("default", "linear", "yarn")
-# Upstream MiniMind's `inference_rope_scaling=True` preset: stretch a 2048-token training context 16x.
+# Upstream MiniMind's `inference_rope_scaling=True` preset: stretch a 2048-token training context 16x. Upstream
+# leaves cos/sin unscaled (attention_factor 1.0, not YaRN's 0.1*ln(16)+1); its ramp clamp (dim/2-1 instead of
+# dim-1) never binds for these values, so the frequencies equal upstream's as well.
 _UPSTREAM_YARN_PRESET = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
-                         "beta_fast": 32.0, "beta_slow": 1.0}
+                         "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0}
 _AUTO_MAP = {"AutoConfig": "configuration_minimind.MiniMindConfig",
              "AutoModel": "modeling_minimind.MiniMindModel",
              "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM"}

@@ -26,6 +26,7 @@ setup(
         "peft>=0.17",
     ],
     extras_require={
-        "dev": ["pytest>=8"],
+        "export": ["gguf>=0.19"],
+        "dev": ["pytest>=8", "gguf>=0.19"],
     },
 )

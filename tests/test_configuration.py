@@ -63,6 +63,7 @@ def test_inference_rope_scaling_is_upstream_yarn_preset():
     assert c.rope_parameters["rope_type"] == "yarn"
     assert c.rope_parameters["factor"] == 16.0
     assert c.rope_parameters["original_max_position_embeddings"] == 2048
+    assert c.rope_parameters["attention_factor"] == 1.0  # upstream leaves cos/sin unscaled
 
 
 def test_flash_attn_switch_maps_to_attn_implementation():

@@ -1,0 +1,192 @@
+"""Publish a MiniMind model directory on the Hugging Face Hub, with a generated model card.
+
+The directory is what `save_pretrained` (plus `minimind.tokenizer.save_tokenizer`) writes. Only the files a
+user needs are uploaded (weights, config, the two code files, tokenizer, generation config) and training
+leftovers (optimizer state, intermediate checkpoints) stay home. The upload is one commit made with
+huggingface_hub's `HfApi.create_repo` + `create_commit`.
+"""
+
+import json
+from pathlib import Path
+
+from minimind.export import TOKENIZER_FILES
+
+DEFAULT_LICENSE = "apache-2.0"
+_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+# Shown in the card's configuration table, in this order.
+_CARD_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "qk_norm",
+                       "tie_word_embeddings", "use_moe")
+_CARD_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+                    "mlp_only_layers")
+# Training facts read from the files transformers' Trainer leaves in its output directory.
+_TRAINER_STATE_FIELDS = ("global_step", "epoch", "max_steps", "num_train_epochs", "train_batch_size")
+_TRAINING_ARGS_FIELDS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
+                         "lr_scheduler_type", "warmup_ratio", "weight_decay", "bf16", "fp16", "seed")
+
+
+def _read_json(path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What gets uploaded
+# ----------------------------------------------------------------------------------------------------------
+
+def files_to_upload(model_dir, tokenizer_dir=None):
+    """{path in repo: local path} for a publishable model directory; ValueError listing every problem."""
+    model_dir = Path(model_dir)
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else model_dir
+    problems = []
+    files = {name: model_dir / name for name in _MODEL_FILES if (model_dir / name).is_file()}
+    files.update({path.name: path for path in sorted(model_dir.glob("*.safetensors"))})
+    files.update({path.name: path for path in sorted(model_dir.glob("*.py"))})
+    files.update({name: tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()})
+
+    if "config.json" not in files:
+        problems.append(f"no config.json in {model_dir} (save the model with save_pretrained)")
+    else:
+        auto_map = _read_json(files["config.json"]).get("auto_map") or {}
+        for auto_class in ("AutoConfig", "AutoModelForCausalLM"):
+            if auto_class not in auto_map:
+                problems.append(f"config.json has no auto_map[{auto_class!r}], so trust_remote_code cannot load it")
+        for reference in (ref for ref in auto_map.values() if isinstance(ref, str)):
+            module_file = reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
+            if module_file not in files:
+                problems.append(f"auto_map names {reference!r} but {module_file} is not in {model_dir}")
+    if not any(name.endswith(".safetensors") for name in files):
+        problems.append(f"no *.safetensors weights in {model_dir} (pytorch_model.bin is not published; re-save "
+                        f"with save_pretrained, which writes safetensors)")
+    if "generation_config.json" not in files:
+        problems.append("no generation_config.json (save_pretrained of the model writes it)")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if name not in files:
+            problems.append(f"no {name} in {tokenizer_dir} (pass --tokenizer_name_or_path tokenizer/ or save the "
+                            f"tokenizer into the model directory)")
+    if "tokenizer_config.json" in files and "chat_template.jinja" not in files and \
+            not _read_json(files["tokenizer_config.json"]).get("chat_template"):
+        problems.append("the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+    if problems:
+        raise ValueError("Cannot publish " + str(model_dir) + ":\n- " + "\n- ".join(problems))
+    return files
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model card
+# ----------------------------------------------------------------------------------------------------------
+
+def count_parameters(model_dir):
+    """Parameters stored in the safetensors files, read from their headers (tied weights are stored once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                numel = 1
+                for size in f.get_slice(name).get_shape():
+                    numel *= size
+                total += numel
+    return total
+
+
+def _markdown_table(rows, header=("field", "value")):
+    lines = [f"| {header[0]} | {header[1]} |", "|---|---|"]
+    lines += [f"| `{key}` | {value} |" for key, value in rows]
+    return "\n".join(lines)
+
+
+def describe_training(model_dir):
+    """Markdown on how the model was trained, from trainer_state.json / training_args.json if present."""
+    model_dir = Path(model_dir)
+    rows = []
+    if (model_dir / "trainer_state.json").is_file():
+        state = _read_json(model_dir / "trainer_state.json")
+        rows += [(key, state[key]) for key in _TRAINER_STATE_FIELDS if state.get(key) is not None]
+        losses = [entry["loss"] for entry in state.get("log_history", []) if "loss" in entry]
+        eval_losses = [entry["eval_loss"] for entry in state.get("log_history", []) if "eval_loss" in entry]
+        if losses:
+            rows.append(("final training loss", round(losses[-1], 4)))
+        if eval_losses:
+            rows.append(("final eval loss", round(eval_losses[-1], 4)))
+    if (model_dir / "training_args.json").is_file():
+        args = _read_json(model_dir / "training_args.json")
+        rows += [(key, args[key]) for key in _TRAINING_ARGS_FIELDS if args.get(key) is not None]
+    if not rows:
+        return ("Unknown: the published directory has no `trainer_state.json` or `training_args.json` "
+                "recording how it was trained.")
+    return "Trained with the transformers `Trainer`:\n\n" + _markdown_table(rows)
+
+
+def _usage_snippet(repo_id):
+    return f'''```python
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+tokenizer = AutoTokenizer.from_pretrained("{repo_id}", trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained("{repo_id}", trust_remote_code=True)
+messages = [{{"role": "user", "content": "Hello! Who are you?"}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                       return_dict=True)
+output = model.generate(**inputs, max_new_tokens=64)
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+
+# or, with chat messages straight into a pipeline
+chat = pipeline("text-generation", model="{repo_id}", trust_remote_code=True)
+print(chat(messages, max_new_tokens=64)[0]["generated_text"][-1]["content"])
+```'''
+
+
+def build_model_card(model_dir, repo_id, license=DEFAULT_LICENSE):
+    """A huggingface_hub ModelCard: YAML metadata, configuration table, parameter count, training, usage."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    config = _read_json(Path(model_dir) / "config.json")
+    tags = ["minimind", "qwen3", "custom_code", "text-generation"] + (["moe"] if config.get("use_moe") else [])
+    metadata = ModelCardData(library_name="transformers", pipeline_tag="text-generation", license=license,
+                             tags=tags)
+    fields = _CARD_CONFIG_FIELDS + (_CARD_MOE_FIELDS if config.get("use_moe") else ())
+    rows = [(key, config[key]) for key in fields if key in config]
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        rows.append(("rope_parameters", json.dumps(rope)))
+    parameters = count_parameters(model_dir)
+    name = repo_id.split("/")[-1]
+    body = f"""# {name}
+
+A MiniMind model: a small decoder-only language model of the Llama/Qwen3 family
+({"mixture of experts" if config.get("use_moe") else "dense"}). The modeling code ships in this repository
+(`configuration_minimind.py`, `modeling_minimind.py`), so load it with `trust_remote_code=True`.
+
+**Parameters:** {parameters:,} ({parameters / 1e6:.1f}M; a tied embedding/LM head counted once).
+
+## Configuration
+
+{_markdown_table(rows)}
+
+## Training
+
+{describe_training(model_dir)}
+
+## Usage
+
+{_usage_snippet(repo_id)}
+"""
+    return ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n{body}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Upload
+# ----------------------------------------------------------------------------------------------------------
+
+def push_model_dir(model_dir, repo_id, tokenizer_dir=None, private=None, token=None, license=DEFAULT_LICENSE,
+                   commit_message="Upload MiniMind model"):
+    """Create (or reuse) `repo_id` and upload the model directory plus its card in one commit."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    files = files_to_upload(model_dir, tokenizer_dir)
+    card = build_model_card(model_dir, repo_id, license=license)
+    api = HfApi()
+    repo = api.create_repo(repo_id, private=private, token=token, exist_ok=True)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
+    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8")))
+    return api.create_commit(repo.repo_id, operations, commit_message=commit_message, token=token)

@@ -1,0 +1,237 @@
+"""Export to transformers' native Qwen3 / Qwen3-MoE (same logits, no remote code) and to GGUF (read back
+with the gguf package's reader); refusals for settings a target cannot reproduce."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT, tiny_config, tiny_model
+from minimind.export import check_gguf_compatible, check_qwen3_compatible, copy_tokenizer_files
+
+TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
+needs_tokenizer = pytest.mark.skipif(not os.path.isfile(os.path.join(TOKENIZER_DIR, "tokenizer.json")),
+                                     reason="the shipped tokenizer/ is not built yet")
+needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
+                                reason="the gguf package is not installed (pip install gguf)")
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _export(*args):
+    spec = importlib.util.spec_from_file_location("export_script", os.path.join(ROOT, "scripts", "export.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([str(a) for a in args])
+
+
+def _model_dir(path, with_tokenizer=True, std=0.1, **overrides):
+    model = tiny_model(std=std, **({"vocab_size": 6400} if with_tokenizer else {}), **overrides)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        copy_tokenizer_files(TOKENIZER_DIR, path)
+    return model
+
+
+def _load_native(path):
+    model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, output_loading_info=True,
+                                                       dtype=torch.float32)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------------
+# transformers Qwen3 / Qwen3-MoE
+# ------------------------------------------------------------------------------------------------------
+
+@needs_tokenizer
+def test_export_qwen3_dense_yarn_same_logits_without_remote_code(tmp_path):
+    ours = _model_dir(tmp_path / "src", rope_scaling=YARN)
+    _export("--to", "qwen3", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "dst")
+
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["architectures"] == ["Qwen3ForCausalLM"]
+    assert "auto_map" not in config
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["rope_parameters"]["factor"] == 4.0
+    assert not list((tmp_path / "dst").glob("*.py"))
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(os.listdir(tmp_path / "dst"))
+    AutoTokenizer.from_pretrained(tmp_path / "dst")  # the copied tokenizer loads on its own
+
+    theirs = _load_native(tmp_path / "dst")
+    assert type(theirs).__name__ == "Qwen3ForCausalLM"
+    ids = torch.randint(0, 6400, (2, 80))  # past original_max_position_embeddings, where YaRN matters
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_export_qwen3_moe_with_dense_layer_same_logits(tmp_path):
+    ours = _model_dir(tmp_path / "src", with_tokenizer=False, use_moe=True, num_experts=4, num_experts_per_tok=2,
+                      num_hidden_layers=3, mlp_only_layers=[1], moe_intermediate_size=32,
+                      tie_word_embeddings=False)
+    _export("--to", "qwen3", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "dst")
+
+    config = json.loads((tmp_path / "dst" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and "auto_map" not in config
+    assert (config["intermediate_size"], config["moe_intermediate_size"], config["mlp_only_layers"]) == (96, 32, [1])
+    theirs = _load_native(tmp_path / "dst")
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    assert type(theirs.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"  # the dense layer stayed dense
+    ids = torch.randint(0, 97, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_export_qwen3_refuses_qk_norm_false():
+    with pytest.raises(ValueError, match="qk_norm=False"):
+        check_qwen3_compatible(tiny_config(qk_norm=False))
+
+
+# ------------------------------------------------------------------------------------------------------
+# GGUF
+# ------------------------------------------------------------------------------------------------------
+
+def _gguf_reader(path):
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    return gguf, fields, tensors
+
+
+def _gguf_array(tensor):
+    """A tensor read back in torch's [out, in] order (GGUF lists dimensions innermost first)."""
+    return np.asarray(tensor.data).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+@needs_tokenizer
+@needs_gguf
+def test_gguf_dense_metadata_tokenizer_and_tensors(tmp_path):
+    ours = _model_dir(tmp_path / "src", rope_scaling=YARN)
+    path = _export("--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out",
+                   "--outtype", "f32")
+    assert path == tmp_path / "out" / "src-f32.gguf"
+    gguf, fields, tensors = _gguf_reader(path)
+    cfg = ours.config
+
+    assert fields["general.architecture"] == "qwen3"
+    expected_kv = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 96,
+                   "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+                   "rope.freq_base": 10000.0, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                   "rope.scaling.original_context_length": 64}
+    for key, value in expected_kv.items():
+        assert fields[f"qwen3.{key}"] == pytest.approx(value), key
+    assert fields["qwen3.attention.layer_norm_rms_epsilon"] == pytest.approx(cfg.rms_norm_eps)
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "qwen2"
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens) == 6400 and tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tokens == tokenizer.convert_ids_to_tokens(list(range(6400)))
+    types = fields["tokenizer.ggml.token_type"]
+    assert types[:7] == [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] * 4  # <think> & co.
+    assert set(types[7:]) == {gguf.TokenType.NORMAL}
+    assert len(fields["tokenizer.ggml.merges"]) == len(json.load(open(os.path.join(TOKENIZER_DIR, "tokenizer.json")))
+                                                       ["model"]["merges"])
+    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.padding_token_id"]) == (1, 2, 0)
+    assert fields["tokenizer.chat_template"] == tokenizer.chat_template
+
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 2)
+    expected = {name_map.get_name(key, try_suffixes=(".weight",)): value
+                for key, value in ours.state_dict().items() if key != "lm_head.weight"}  # tied: no `output`
+    assert set(tensors) == set(expected)
+    for name, value in expected.items():
+        # Values as they are: llama.cpp's qwen3 uses the HF rotate-half RoPE layout, so Q/K are not permuted.
+        np.testing.assert_array_equal(_gguf_array(tensors[name]), value.numpy(), err_msg=name)
+
+
+@needs_tokenizer
+@needs_gguf
+def test_gguf_moe_expert_tensors_and_counts(tmp_path):
+    ours = _model_dir(tmp_path / "src", use_moe=True, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, tie_word_embeddings=False)
+    path = _export("--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out",
+                   "--outfile", "moe.gguf")
+    gguf, fields, tensors = _gguf_reader(path)
+    assert fields["general.architecture"] == "qwen3moe"
+    assert (fields["qwen3moe.expert_count"], fields["qwen3moe.expert_used_count"],
+            fields["qwen3moe.expert_feed_forward_length"]) == (4, 2, 32)
+
+    gate = _gguf_array(tensors["blk.1.ffn_gate_exps.weight"])
+    down = _gguf_array(tensors["blk.1.ffn_down_exps.weight"])
+    assert gate.shape == (4, 32, 64) and down.shape == (4, 64, 32)
+    expert = ours.model.layers[1].mlp.experts[3]
+    np.testing.assert_allclose(gate[3], expert.gate_proj.weight.detach().numpy(), atol=1e-3)  # f16 storage
+    np.testing.assert_allclose(down[3], expert.down_proj.weight.detach().numpy(), atol=1e-3)
+    assert tensors["blk.1.ffn_gate_exps.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    # The router and the norms stay f32 even in an f16 file.
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tensors["blk.1.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert "output.weight" in tensors  # untied head exported
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"use_moe": True, "num_hidden_layers": 3, "mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({"use_moe": True, "decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"use_moe": True, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"qk_norm": False}, "qk_norm"),
+    ({"rope_scaling": {**YARN, "attention_factor": 1.0}}, "rope_parameters"),
+])
+def test_gguf_refuses_settings_llama_cpp_cannot_run(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        check_gguf_compatible(tiny_config(**overrides))
+
+
+@needs_tokenizer
+@needs_gguf
+def test_gguf_refuses_tokenizer_llama_cpp_would_split_differently(tmp_path):
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    _model_dir(tmp_path / "src")
+    tokenizer = Tokenizer.from_file(str(tmp_path / "src" / "tokenizer.json"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2 regex, not qwen2
+    tokenizer.save(str(tmp_path / "src" / "tokenizer.json"))
+    with pytest.raises(ValueError, match="qwen2"):
+        _export("--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out")
+
+
+@needs_tokenizer
+@needs_gguf
+@pytest.mark.skipif(os.environ.get("MINIMIND_LLAMA_CPP") != "1" or importlib.util.find_spec("llama_cpp") is None,
+                    reason="opt-in: set MINIMIND_LLAMA_CPP=1 with llama-cpp-python installed (pip install "
+                           "llama-cpp-python builds llama.cpp from source, 6-13 min on 2 cores)")
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    {"use_moe": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+], ids=["dense", "yarn", "moe"])
+def test_llama_cpp_runs_gguf_with_our_tokens_and_greedy_output(tmp_path, overrides):
+    import llama_cpp
+
+    ours = _model_dir(tmp_path / "src", std=0.3, **overrides)
+    path = _export("--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out",
+                   "--outtype", "f32")
+    # An f32 KV cache (llama.cpp defaults to f16) so that logits can be compared tightly.
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    text = "<|im_start|>user\nHello, world! It's 2024: naïve café 123.<|im_end|>\n<|im_start|>assistant\n"
+    prompt = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    assert prompt == tokenizer(text)["input_ids"]  # the "qwen2" pre-tokenizer splits as ours does
+
+    llm.eval(prompt)
+    with torch.no_grad():
+        logits = ours(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(llm.scores[:len(prompt)]), logits, atol=1e-3, rtol=1e-3)
+    ours_greedy = ours.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    theirs_greedy = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        theirs_greedy.append(token)
+        if len(theirs_greedy) == 8:
+            break
+    assert theirs_greedy == ours_greedy[0, len(prompt):].tolist()

@@ -1,0 +1,150 @@
+"""Hub publishing without network: huggingface_hub's HfApi is faked at its boundary (create_repo /
+create_commit / upload_folder), and the fake reads every file of the commit while it still exists."""
+
+import importlib.util
+import json
+import os
+import types
+from unittest import mock
+
+import huggingface_hub
+import pytest
+from huggingface_hub import ModelCard
+
+from conftest import ROOT, tiny_model
+from minimind.export import copy_tokenizer_files
+
+TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
+pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(TOKENIZER_DIR, "tokenizer.json")),
+                                reason="the shipped tokenizer/ is not built yet")
+CODE_FILES = {"configuration_minimind.py", "modeling_minimind.py"}
+
+
+def _load_script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeHub:
+    """Records create_repo calls and the content of every committed file."""
+
+    def __init__(self):
+        self.repos, self.commits = [], []
+
+    def patches(self):
+        hub = self
+
+        def create_repo(api, repo_id, **kwargs):
+            hub.repos.append((repo_id, kwargs))
+            return types.SimpleNamespace(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
+
+        def create_commit(api, repo_id, operations, **kwargs):
+            files = {}
+            for op in operations:
+                with op.as_file() as f:
+                    files[op.path_in_repo] = f.read()
+            hub.commits.append({"repo_id": repo_id, "files": files, **kwargs})
+            return types.SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/0", oid="0")
+
+        def upload_folder(api, **kwargs):
+            raise AssertionError("expected a single create_commit, not upload_folder")
+
+        return [mock.patch.object(huggingface_hub.HfApi, "create_repo", create_repo),
+                mock.patch.object(huggingface_hub.HfApi, "create_commit", create_commit),
+                mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload_folder)]
+
+    def __enter__(self):
+        self._active = self.patches()
+        for patch in self._active:
+            patch.start()
+        return self
+
+    def __exit__(self, *exc):
+        for patch in reversed(self._active):
+            patch.stop()
+
+
+def _trained_model_dir(path):
+    """A model directory as a Trainer run leaves it: model + tokenizer + training records + leftovers."""
+    model = tiny_model(vocab_size=6400)
+    model.save_pretrained(path)
+    copy_tokenizer_files(TOKENIZER_DIR, path)
+    (path / "trainer_state.json").write_text(json.dumps({
+        "global_step": 120, "epoch": 2.0, "max_steps": 120, "num_train_epochs": 2, "train_batch_size": 8,
+        "log_history": [{"loss": 5.25, "step": 60}, {"loss": 3.14159, "step": 120}, {"eval_loss": 3.5, "step": 120}],
+    }))
+    (path / "training_args.json").write_text(json.dumps({"learning_rate": 0.0005, "gradient_accumulation_steps": 2}))
+    (path / "optimizer.pt").write_bytes(b"not for the hub")
+    (path / "checkpoint-60").mkdir()
+    (path / "checkpoint-60" / "model.safetensors").write_bytes(b"intermediate")
+    return model
+
+
+def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
+    model = _trained_model_dir(tmp_path / "run")
+    with FakeHub() as hub:
+        _load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"),
+                                          "--repo_id", "someone/minimind-tiny", "--private"])
+
+    assert [repo for repo, _ in hub.repos] == ["someone/minimind-tiny"]
+    assert hub.repos[0][1]["private"] is True and hub.repos[0][1]["exist_ok"] is True
+    (commit,) = hub.commits
+    files = commit["files"]
+    assert set(files) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                          "tokenizer_config.json", "chat_template.jinja", "README.md"} | CODE_FILES
+    config = json.loads(files["config.json"])
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"
+    assert files["modeling_minimind.py"] == open(os.path.join(ROOT, "modeling_minimind.py"), "rb").read()
+    assert "<|im_start|>" in files["chat_template.jinja"].decode()
+
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text-generation"
+    assert card.data.license == "apache-2.0"
+    assert {"minimind", "custom_code"} <= set(card.data.tags)
+    text = card.text
+    assert "| `hidden_size` | 64 |" in text and "| `num_hidden_layers` | 2 |" in text
+    parameters = sum(p.numel() for p in model.parameters())  # shared (tied) tensors counted once
+    assert f"**Parameters:** {parameters:,}" in text
+    assert "| `global_step` | 120 |" in text and "| `final training loss` | 3.1416 |" in text
+    assert "| `final eval loss` | 3.5 |" in text and "| `learning_rate` | 0.0005 |" in text
+    assert 'AutoModelForCausalLM.from_pretrained("someone/minimind-tiny", trust_remote_code=True)' in text
+
+
+def test_push_with_separate_tokenizer_and_unknown_training(tmp_path):
+    tiny_model(vocab_size=6400).save_pretrained(tmp_path / "bare")
+    with FakeHub() as hub:
+        _load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "bare"), "--repo_id", "a/b",
+                                          "--tokenizer_name_or_path", TOKENIZER_DIR, "--license", "mit"])
+    files = hub.commits[0]["files"]
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(files)
+    card = ModelCard(files["README.md"].decode())
+    assert card.data.license == "mit"
+    assert "## Training\n\nUnknown" in card.text
+
+
+def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path):
+    tiny_model().save_pretrained(tmp_path / "m")
+    os.remove(tmp_path / "m" / "generation_config.json")
+    os.remove(tmp_path / "m" / "modeling_minimind.py")
+    with FakeHub() as hub, pytest.raises(ValueError) as error:
+        _load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "m"), "--repo_id", "a/b"])
+    message = str(error.value)
+    for problem in ("generation_config.json", "modeling_minimind.py", "tokenizer.json"):
+        assert problem in message
+    assert not hub.repos and not hub.commits  # nothing created before the check
+
+
+def test_model_push_to_hub_commits_code_config_and_safetensors():
+    model = tiny_model()
+    with FakeHub() as hub, mock.patch("transformers.utils.hub.create_and_tag_model_card",
+                                      return_value=ModelCard("---\nlibrary_name: transformers\n---\n")):
+        model.push_to_hub("someone/tiny")
+    (commit,) = hub.commits
+    assert commit["repo_id"] == "someone/tiny"
+    assert {"config.json", "model.safetensors"} | CODE_FILES <= set(commit["files"])
+    auto_map = json.loads(commit["files"]["config.json"])["auto_map"]
+    assert auto_map["AutoConfig"] == "configuration_minimind.MiniMindConfig"
+    assert auto_map["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"
