@@ -4,7 +4,7 @@ PYTHON ?= python
 # Elsewhere: TORCH_SPEC="torch" (or install the torch for your CUDA yourself and run `make install-package`).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-package demo test
+.PHONY: install install-package demo test test-main test-compat
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -16,5 +16,11 @@ install-package:
 demo: install
 	$(PYTHON) scripts/quickstart.py --output_dir runs/quickstart
 
-test:
+# Both legs: the suite under the installed transformers 5.x, then the model files under 4.57 (own venv).
+test: test-main test-compat
+
+test-main:
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests -q
+
+test-compat:
+	PYTHON=$(PYTHON) bash .ci/compat-4.57.sh

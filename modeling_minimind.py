@@ -189,8 +189,11 @@ class MiniMindAttention(nn.Module):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
-            # 4.57's StaticCache needs cache_position in its kwargs dict; 5.x ignores the extra argument.
-            k, v = cache.update(k, v, self.layer_idx, {"cache_position": cache_position})  # [B, K, S, Dh]
+            # The attention kwargs travel with the update: the paged cache of continuous batching fills in what
+            # its kernel needs, 4.57's StaticCache reads cache_position, the other caches ignore them.
+            kwargs["cache_position"] = cache_position
+            k, v = cache.update(k, v, self.layer_idx, kwargs)  # [B, K, S, Dh]
+            del kwargs["cache_position"]
 
         if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
             attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -413,12 +416,11 @@ class MiniMindModel(MiniMindPreTrainedModel):
             cache = DynamicCache(cache)
         if use_cache and cache is None:
             cache = DynamicCache(config=cfg)
-        if not use_cache:
-            cache = None
         kwargs.pop("cache_position", None)  # passed by 4.57's generate; recomputed below for both versions
 
         q_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        past_seen = cache.get_seq_length() if cache is not None else 0
+        # The paged cache of continuous batching is no `Cache`: it comes with its own position_ids and masks.
+        past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
         self._check_inputs(input_ids, inputs_embeds, attention_mask, past_seen, q_len)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [B, T, D]
@@ -454,7 +456,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             attentions=tuple(all_attn) if output_attentions else None,
             router_logits=tuple(all_router) if output_router_logits and all_router else None,
-            **{_CACHE_FIELD: cache},
+            **{_CACHE_FIELD: cache if use_cache else None},
         )
 
 

@@ -27,6 +27,7 @@ setup(
     ],
     extras_require={
         "export": ["gguf>=0.19"],
-        "dev": ["pytest>=8", "gguf>=0.19"],
+        "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
+        "dev": ["pytest>=8", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26", "httpx>=0.27"],
     },
 )

@@ -510,3 +510,19 @@ def test_sequence_beyond_max_position_embeddings_raises():
     model(torch.randint(0, 97, (1, 16)), cache=cache, use_cache=True)
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
         model(torch.randint(0, 97, (1, 1)), cache=cache, use_cache=True)
+
+
+def test_continuous_batching_with_paged_cache_equals_generate():
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = tiny_model(std=0.2)
+    prompts = [[5, 17, 42, 8], [7, 3, 9], [1, 2, 3, 4, 5, 6]]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # A small paged cache: sized from free memory by default, which on a CPU box means gigabytes to set up.
+    paging = ContinuousBatchingConfig(page_size=16, num_blocks=8, max_batch_tokens=64)
+    results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging)
+    by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
+    for prompt in prompts:
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+        assert by_prompt[tuple(prompt)] == alone.tolist()

@@ -1,0 +1,153 @@
+"""The chat engine (`minimind.chat`) and `scripts/chat.py`, on a tiny random MiniMind with the real tokenizer."""
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, tiny_model
+
+from minimind.chat import SamplingParams, TextStream, chat_loop, chat_prompt_ids, load_model_and_tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def make_chat_model_dir(path):
+    """A tiny MiniMind (sharp logits: std 0.3, so greedy replies vary) saved with the repo's tokenizer."""
+    model = tiny_model(std=0.3, vocab_size=6400)
+    model.save_pretrained(path)
+    shipped = os.path.join(ROOT, "tokenizer")
+    if os.path.exists(os.path.join(shipped, "tokenizer.json")):
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(shipped, name)):
+                shutil.copy(os.path.join(shipped, name), path)
+    else:  # a checkout without the trained tokenizer: a small stand-in trained with the same code
+        from minimind.tokenizer import save_tokenizer, train_tokenizer
+
+        corpus = os.path.join(path, "corpus.txt")
+        with open(corpus, "w", encoding="utf-8") as f:
+            f.write("hello world, how are you today? I am a tiny model.\n" * 50)
+        save_tokenizer(train_tokenizer([corpus], vocab_size=400, min_frequency=1), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    return make_chat_model_dir(tmp_path_factory.mktemp("chat-model"))
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(chat_model_dir):
+    return load_model_and_tokenizer(chat_model_dir, device="cpu")
+
+
+GREEDY = SamplingParams(max_new_tokens=8, do_sample=False)
+
+
+def reply(model, tokenizer, messages, params=GREEDY):
+    return "".join(TextStream(model, tokenizer, chat_prompt_ids(tokenizer, messages), params))
+
+
+def scripted_input(lines):
+    """A `read_line` that serves `lines`, then raises EOFError like input() at end of a piped stdin."""
+    remaining = list(lines)
+    served = []
+
+    def read_line(prompt=""):
+        if not remaining:
+            raise EOFError
+        served.append(remaining.pop(0))
+        return served[-1]
+
+    read_line.served = served
+    return read_line
+
+
+def test_chat_loop_keeps_history_resets_and_exits(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    read_line = scripted_input(["hello", "hello", "/reset", "hello", "/exit", "never read"])
+    out = io.StringIO()
+    chat_loop(model, tokenizer, GREEDY, read_line=read_line, out=out)
+
+    assert read_line.served == ["hello", "hello", "/reset", "hello", "/exit"]
+    first = reply(model, tokenizer, [{"role": "user", "content": "hello"}])
+    second = reply(model, tokenizer, [{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                                      {"role": "user", "content": "hello"}])
+    assert first.strip()
+    # The second turn saw the first; after /reset the conversation starts over, so the first reply repeats.
+    transcript = out.getvalue()
+    assert transcript.index(first) < transcript.index(second, transcript.index(first) + len(first))
+    assert "(conversation reset)" in transcript
+    assert transcript.split("(conversation reset)")[1].strip().startswith(first.strip())
+
+
+def test_chat_loop_forgets_old_turns_to_fit_the_context_and_ends_on_eof(model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    prompts = []
+    monkeypatch.setattr(TextStream, "__init__", record_prompts(TextStream.__init__, prompts))
+    # A 64-token context with 24 kept for each reply: from the second turn on, the oldest exchange must go (the
+    # model itself raises past 64). The over-long last message is refused; end of input then quits.
+    monkeypatch.setattr(model.config, "max_position_embeddings", 64)
+    params = SamplingParams(max_new_tokens=24, do_sample=False)
+    out = io.StringIO()
+    chat_loop(model, tokenizer, params, system_prompt="be brief",
+              read_line=scripted_input(["one two three"] * 3 + ["word " * 50]), out=out)
+    assert "message too long" in out.getvalue()
+    assert len(prompts) == 3 and all(len(p) <= 64 - 24 for p in prompts)
+    assert all(tokenizer.decode(p).startswith("<|im_start|>system\nbe brief") for p in prompts)
+
+
+def record_prompts(init, prompts):
+    def recording_init(self, model, tokenizer, prompt_ids, params):
+        prompts.append(prompt_ids)
+        init(self, model, tokenizer, prompt_ids, params)
+    return recording_init
+
+
+def test_stream_cuts_before_stop_string_and_counts_tokens(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "tell me a story"}])
+    full_stream = TextStream(model, tokenizer, prompt, SamplingParams(max_new_tokens=16, do_sample=False))
+    full = "".join(full_stream)
+    assert full_stream.completion_tokens == 16 and full_stream.finish_reason == "length"
+
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    stopped = TextStream(model, tokenizer, prompt, SamplingParams(max_new_tokens=16, do_sample=False,
+                                                                  stop=["never there", stop]))
+    assert "".join(stopped) == full[:full.index(stop)]
+    assert stopped.finish_reason == "stop" and stopped.completion_tokens < 16
+
+
+def test_stop_string_split_across_pieces_is_held_back(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    stream = TextStream(model, tokenizer, [1], SamplingParams(stop=["END"]))
+    # "E" and "EN" could begin "END", so they wait; "END" cuts; nothing of it or after it is shown.
+    assert list(stream._cut_at_stop_strings(["abc E", "N", "D tail"])) == ["abc", " "]
+    assert "".join(stream._cut_at_stop_strings(["abc E", "Nx", " tail"])) == "abc ENx tail"
+
+
+def test_closing_a_stream_early_stops_generation(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    steps = []
+    hook = model.register_forward_hook(lambda *args: steps.append(1))
+    try:
+        pieces = iter(TextStream(model, tokenizer, [1, 100, 200], SamplingParams(max_new_tokens=200,
+                                                                                do_sample=False)))
+        next(pieces)
+        pieces.close()  # joins the generation thread
+    finally:
+        hook.remove()
+    assert len(steps) < 100
+
+
+def test_chat_script_reads_stdin_until_eof(chat_model_dir):
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "chat.py"), "--model_name_or_path", chat_model_dir,
+         "--no-do_sample", "--max_new_tokens", "4", "--device", "cpu"],
+        input="hi there\n/reset\nagain\n", capture_output=True, text=True, timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "(conversation reset)" in result.stdout
+    assert result.stdout.count(">>> ") == 4  # three lines, then the prompt that met end of input
