@@ -14,7 +14,7 @@ install-package:
 	$(PYTHON) -m pip install -q -e ".[dev]"
 
 demo: install
-	$(PYTHON) scripts/quickstart.py --output_dir runs/quickstart
+	$(PYTHON) scripts/demo.py --output_dir runs/demo
 
 # Both legs: the suite under the installed transformers 5.x, then the model files under 4.57 (own venv).
 test: test-main test-compat

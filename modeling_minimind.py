@@ -408,7 +408,8 @@ class MiniMindModel(MiniMindPreTrainedModel):
         output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
         output_hidden_states = (output_hidden_states if output_hidden_states is not None
                                 else cfg.output_hidden_states)
-        use_cache = use_cache if use_cache is not None else cfg.use_cache
+        if use_cache is None:  # a training forward would only fill a cache nobody reads
+            use_cache = cfg.use_cache and not (self.training and torch.is_grad_enabled())
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False  # recomputation would write every layer's keys into the cache twice
         cache = cache if cache is not None else past_key_values

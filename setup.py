@@ -24,6 +24,7 @@ setup(
         "accelerate>=1.0",
         "datasets>=3.0",
         "peft>=0.17",
+        "trl>=1.16",
     ],
     extras_require={
         "export": ["gguf>=0.19"],

@@ -1,0 +1,508 @@
+"""The one training core behind scripts/{pretrain,sft,lora,dpo,distill,demo}.py.
+
+Every script is: parse arguments (`parse_args`), then call one `run_*` function here. The loop is always a
+transformers `Trainer` (DPO: TRL's `DPOTrainer`, which is one), so `accelerate launch` / `torchrun`, FSDP,
+DeepSpeed, bf16, gradient accumulation and checkpointing behave as documented for transformers.
+
+Order inside every `run_*`: tokenizer, datasets, model, trainer. Datasets come first so that a malformed data
+line (`minimind.data.DataFormatError`, with file name and line number) stops the run before any model is built.
+
+Every directory we write (final output and each checkpoint-N) is a complete Hugging Face model directory:
+config.json with auto_map, both model .py files, model.safetensors, generation_config.json, tokenizer files
+saved with `minimind.tokenizer.save_tokenizer` (class PreTrainedTokenizerFast), and training_args.json
+(Trainer's pickled training_args.bin is replaced, so model directories hold no pickle at all).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import (AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback,
+                          TrainingArguments, default_data_collator)
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from configuration_minimind import MiniMindConfig
+# Importing the minimind package registers MiniMind with the Auto classes (used by from_config below).
+from minimind.data import DataFormatError, build_dataset, read_jsonl, sft_collator, split_train_eval
+from minimind.tokenizer import load_tokenizer as _load_checked_tokenizer
+from minimind.tokenizer import save_tokenizer
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_TOKENIZER = REPO_ROOT / "tokenizer"
+# The generated corpus shipped with the repo, per data kind (scripts use these unless --data_path is given).
+BUNDLED_DATA = {kind: str(REPO_ROOT / "data" / f"{kind}.jsonl") for kind in ("pretrain", "sft", "dpo")}
+# PEFT LoRA targets by module name. Explicit names, not "all-linear": that would also wrap `mlp.gate`, which in
+# MoE layers is the router. In MoE layers these names also match every expert's projections.
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MODEL_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size")
+PRESETS = ("minillama_0_04b",)
+RESUME_LATEST = ("last", "latest", "true", "auto")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelArguments:
+    """Which model to train: an existing directory/Hub id, or a new MiniMind from a preset and size flags."""
+
+    model_name_or_path: str | None = field(default=None, metadata={
+        "help": "Start from this model (directory or Hub id, loaded with trust_remote_code). "
+                "Without it a new MiniMind is built from --preset and the size flags."})
+    preset: str | None = field(default=None, metadata={
+        "help": "Start a new model from a MiniMindConfig preset.", "choices": PRESETS})
+    hidden_size: int | None = field(default=None, metadata={"help": "New model only (default: MiniMindConfig's)."})
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    use_moe: bool = field(default=False, metadata={"help": "New model only: sparse MoE MLPs."})
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    tokenizer_name_or_path: str | None = field(default=None, metadata={
+        "help": "Default: the model directory's tokenizer if it has one, else the bundled tokenizer/."})
+
+
+@dataclass
+class DataArguments:
+    data_path: str | None = field(default=None, metadata={"help": "JSONL training file (see minimind/data.py)."})
+    max_seq_length: int = field(default=512, metadata={
+        "help": "Pretraining: packed block length. Chat data: truncation length."})
+    eval_fraction: float = field(default=0.01, metadata={
+        "help": "Share of the data held out for eval loss and perplexity (0 disables evaluation)."})
+    skip_bad_lines: bool = field(default=False, metadata={
+        "help": "Skip malformed lines with a warning instead of stopping at the first one."})
+
+
+@dataclass
+class LoraArguments:
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    merge: bool = field(default=False, metadata={
+        "help": "Also save base+adapter merged into a full model in <output_dir>/merged."})
+    data_kind: str = field(default="sft", metadata={"choices": ["sft", "pretrain"]})
+
+
+@dataclass
+class DistillArguments:
+    teacher_name_or_path: str | None = field(default=None, metadata={
+        "help": "Teacher: any causal LM loadable by AutoModelForCausalLM with the student's vocabulary."})
+    temperature: float = field(default=2.0, metadata={"help": "Softens both distributions in the KL term."})
+    alpha: float = field(default=0.5, metadata={
+        "help": "loss = alpha * T^2 * KL(teacher || student) + (1 - alpha) * cross-entropy on the labels."})
+    data_kind: str = field(default="sft", metadata={"choices": ["sft", "pretrain"]})
+
+
+# Script defaults for TrainingArguments: small logs, resumable checkpoints, no external loggers.
+TRAINING_DEFAULTS = dict(logging_steps=10, save_steps=500, save_total_limit=2, report_to="none",
+                         per_device_train_batch_size=8, per_device_eval_batch_size=8)
+
+
+def parse_args(argv=None, *extra, training_args_class=TrainingArguments, **defaults):
+    """Parse ModelArguments, DataArguments, *extra dataclasses and the training arguments (last)."""
+    parser = HfArgumentParser((ModelArguments, DataArguments, *extra, training_args_class))
+    parser.set_defaults(**{**TRAINING_DEFAULTS, **defaults})
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def run_cli(main, argv=None):
+    """Run a script's main; a data error ends it with the message alone and exit code 2, no traceback."""
+    try:
+        return main(argv)
+    except DataFormatError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def setup_run(training_args):
+    """Logging for this process, and the seed set before the model is built so that its init is reproducible."""
+    transformers.set_seed(training_args.seed)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
+                        handlers=[logging.StreamHandler(sys.stdout)], force=True)
+    level = training_args.get_process_log_level()
+    logger.setLevel(level)
+    logging.getLogger("minimind").setLevel(level)
+    transformers.utils.logging.set_verbosity(min(level, logging.WARNING))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizer, data, model
+# --------------------------------------------------------------------------------------------------------------
+
+def load_tokenizer(model_args):
+    path = model_args.tokenizer_name_or_path
+    if path is None:
+        model_dir = model_args.model_name_or_path
+        has_own = model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file()
+        path = model_dir if has_own else BUNDLED_TOKENIZER
+    return _load_checked_tokenizer(path)
+
+
+def load_datasets(kind, data_args, tokenizer, seed=42):
+    """(train, eval or None) for kind pretrain/sft/dpo. Raises DataFormatError for bad or empty data."""
+    if not data_args.data_path:
+        raise ValueError("--data_path is required")
+    dataset = build_dataset(kind, data_args.data_path, tokenizer, data_args.max_seq_length,
+                            skip_bad_lines=data_args.skip_bad_lines)
+    return split_train_eval(dataset, data_args.eval_fraction, seed)
+
+
+def build_config(model_args, tokenizer):
+    """A new MiniMindConfig from the preset and size flags, with vocabulary and special ids from the tokenizer."""
+    sizes = {name: getattr(model_args, name) for name in MODEL_SIZE_FIELDS if getattr(model_args, name) is not None}
+    tokens = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    make = getattr(MiniMindConfig, model_args.preset) if model_args.preset else MiniMindConfig
+    return make(**sizes, **tokens, use_moe=model_args.use_moe)
+
+
+def load_causal_lm(name_or_path):
+    # fp32 master weights whatever the checkpoint dtype (transformers 5 defaults to the checkpoint's);
+    # --bf16 then trains with autocast.
+    return AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=True, dtype=torch.float32)
+
+
+def build_model(model_args, tokenizer):
+    if model_args.model_name_or_path:
+        model = load_causal_lm(model_args.model_name_or_path)
+    else:
+        model = AutoModelForCausalLM.from_config(build_config(model_args, tokenizer))
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise ValueError(f"the model has {model.get_input_embeddings().num_embeddings} embeddings but the "
+                         f"tokenizer has {len(tokenizer)} tokens. Fix: use the tokenizer the model was trained with.")
+    # generate() reads these from generation_config.json; keep them equal to the tokenizer's.
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.generation_config, name, getattr(tokenizer, name))
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info("model: %s, %s parameters", type(model).__name__, f"{n_params:,}")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Saving and resuming
+# --------------------------------------------------------------------------------------------------------------
+
+def finish_hf_directory(output_dir, tokenizer, training_args=None):
+    """Make a directory that save_pretrained wrote a complete, pickle-free HF model directory."""
+    save_tokenizer(tokenizer, output_dir)
+    pickled_args = Path(output_dir) / "training_args.bin"  # torch.save'd by Trainer, read by nothing
+    if pickled_args.exists():
+        pickled_args.unlink()
+    if training_args is not None:
+        (Path(output_dir) / "training_args.json").write_text(training_args.to_json_string(), encoding="utf-8")
+
+
+def save_hf_directory(model, tokenizer, output_dir, training_args=None):
+    model.save_pretrained(output_dir)
+    finish_hf_directory(output_dir, tokenizer, training_args)
+
+
+class HFDirectoryMixin:
+    """Trainer mixin: the final save and every checkpoint-N go through `_save`, so all are complete HF dirs."""
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            finish_hf_directory(output_dir or self.args.output_dir, self.processing_class, self.args)
+
+
+def is_complete_checkpoint(path):
+    """Trainer writes trainer_state.json last (after weights, optimizer, scheduler and RNG state), so a checkpoint
+    whose trainer_state.json parses was fully written; one killed mid-save lacks it or has it truncated."""
+    try:
+        json.loads((Path(path) / "trainer_state.json").read_text(encoding="utf-8"))
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def latest_complete_checkpoint(output_dir):
+    """Newest checkpoint-N in output_dir that was fully written, or None. Incomplete ones are skipped."""
+    if not Path(output_dir).is_dir():
+        return None
+    steps = {}
+    for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        step = path.name.rsplit("-", 1)[1]
+        if path.is_dir() and step.isdigit():
+            steps[int(step)] = path
+    for step in sorted(steps, reverse=True):
+        if is_complete_checkpoint(steps[step]):
+            return str(steps[step])
+        logger.warning("ignoring %s: it was not completely written (killed while saving?)", steps[step])
+    return None
+
+
+def resolve_resume_checkpoint(training_args):
+    """--resume_from_checkpoint PATH, or 'last' (also true/auto/latest): the newest complete checkpoint in
+    --output_dir; starts fresh with a warning when there is none yet, so the same command can be rerun."""
+    value = training_args.resume_from_checkpoint
+    if not value:
+        return None
+    if value.lower() in RESUME_LATEST:
+        checkpoint = latest_complete_checkpoint(training_args.output_dir)
+        if checkpoint is None:
+            logger.warning("no complete checkpoint in %s; starting from scratch", training_args.output_dir)
+        return checkpoint
+    if not is_complete_checkpoint(value):
+        raise ValueError(f"{value} is not a complete checkpoint (no readable trainer_state.json). "
+                         "Fix: pass --resume_from_checkpoint last to take the newest complete one.")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Trainers
+# --------------------------------------------------------------------------------------------------------------
+
+def perplexity(loss):
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return float("inf")
+
+
+class CausalLMTrainer(HFDirectoryMixin, Trainer):
+    """Trainer that saves complete HF directories and reports `eval_perplexity = exp(eval_loss)`."""
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                         metric_key_prefix)
+        loss = output.metrics.get(f"{metric_key_prefix}_loss")
+        if loss is not None:  # added here, inside evaluate(), so the logged metrics carry it too
+            output.metrics[f"{metric_key_prefix}_perplexity"] = perplexity(loss)
+        return output
+
+
+def distillation_kl(student_logits, teacher_logits, labels, temperature):
+    """Mean over labelled positions of T^2 * KL(softmax(teacher/T) || softmax(student/T)).
+
+    Position t predicts labels[t+1] (the model shifts labels the same way), so logits are cut at the end and
+    labels at the start. T^2 keeps the gradient scale independent of T (Hinton et al., 2015)."""
+    student = F.log_softmax(student_logits[:, :-1].float() / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits[:, :-1].float() / temperature, dim=-1)
+    mask = labels[:, 1:] != -100
+    per_token = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)  # [B, T-1]
+    return per_token[mask].sum() / mask.sum().clamp(min=1) * temperature ** 2
+
+
+class DistillationTrainer(CausalLMTrainer):
+    """Trains the student on alpha * distillation KL + (1 - alpha) * CE. Evaluation reports the student's plain CE
+    (and perplexity), so eval numbers compare with pretrain/SFT runs."""
+
+    # Both terms are per-micro-batch token means; Trainer divides them by the accumulation steps.
+    loss_is_scaled_for_ga = False
+
+    def __init__(self, *args, teacher_model, temperature=2.0, alpha=0.5, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher_model = teacher_model.to(self.args.device).eval().requires_grad_(False)
+        self.temperature, self.alpha = temperature, alpha
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs)
+        loss = outputs.loss
+        if model.training:
+            with torch.no_grad():
+                teacher_logits = self.teacher_model(input_ids=inputs["input_ids"],
+                                                    attention_mask=inputs.get("attention_mask")).logits
+            if teacher_logits.shape[-1] != outputs.logits.shape[-1]:
+                raise ValueError(f"teacher vocabulary ({teacher_logits.shape[-1]}) differs from the student's "
+                                 f"({outputs.logits.shape[-1]}). Fix: use a teacher with the student's tokenizer.")
+            kl = distillation_kl(outputs.logits, teacher_logits, inputs["labels"], self.temperature)
+            loss = self.alpha * kl + (1 - self.alpha) * loss
+        return (loss, outputs) if return_outputs else loss
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------------------------
+
+class TimeBudgetCallback(TrainerCallback):
+    """Stop training (cleanly: the final save and evaluation still run) once `seconds` of training have passed.
+    The demo uses it so that a slow or busy machine still finishes in a few minutes."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.started = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.monotonic() - self.started > self.seconds:
+            logger.warning("time budget of %.0f s used up at step %d of %d; stopping", self.seconds,
+                           state.global_step, state.max_steps)
+            control.should_training_stop = True
+
+
+def loss_curve(log_history):
+    """[(step, training loss)] from Trainer's log history."""
+    return [(entry["step"], entry["loss"]) for entry in log_history if "loss" in entry and "step" in entry]
+
+
+def write_loss_curve(log_history, output_dir):
+    """Write loss_curve.md (a step | loss table) and, if matplotlib is installed, loss_curve.png. Returns paths."""
+    curve = loss_curve(log_history)
+    if not curve:
+        return []
+    md = Path(output_dir) / "loss_curve.md"
+    rows = "".join(f"| {step} | {loss:.4f} |\n" for step, loss in curve)
+    md.write_text("| step | training loss |\n|---:|---:|\n" + rows, encoding="utf-8")
+    paths = [md]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return paths
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*curve))
+    ax.set(xlabel="step", ylabel="training loss", title="MiniMind training loss")
+    fig.savefig(Path(output_dir) / "loss_curve.png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return paths + [Path(output_dir) / "loss_curve.png"]
+
+
+def train_and_save(trainer, training_args):
+    """Train (resuming if asked), save the final HF directory, evaluate, and save metrics and the loss curve."""
+    checkpoint = resolve_resume_checkpoint(training_args)
+    result = trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.save_model(training_args.output_dir)
+    metrics = dict(result.metrics)
+    if trainer.eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    trainer.log_metrics("all", metrics)
+    trainer.save_metrics("all", metrics)
+    trainer.save_state()
+    if trainer.args.should_save:
+        write_loss_curve(trainer.state.log_history, training_args.output_dir)
+    return trainer, metrics
+
+
+def run_causal_lm(kind, model_args, data_args, training_args, trainer_class=CausalLMTrainer, model=None,
+                  **trainer_kwargs):
+    """Pretraining (kind="pretrain": packed blocks) or SFT (kind="sft": per-batch padding). Returns
+    (trainer, metrics); metrics include eval_loss and eval_perplexity when --eval_fraction > 0."""
+    setup_run(training_args)
+    tokenizer = load_tokenizer(model_args)
+    train_dataset, eval_dataset = load_datasets(kind, data_args, tokenizer, training_args.seed)
+    logger.info("%s data: %d train / %d eval examples", kind, len(train_dataset),
+                len(eval_dataset) if eval_dataset is not None else 0)
+    model = model if model is not None else build_model(model_args, tokenizer)
+    collator = default_data_collator if kind == "pretrain" else sft_collator(tokenizer)
+    if eval_dataset is None:
+        training_args.eval_strategy = "no"
+    trainer = trainer_class(model=model, args=training_args, train_dataset=train_dataset,
+                            eval_dataset=eval_dataset, data_collator=collator, processing_class=tokenizer,
+                            **trainer_kwargs)
+    return train_and_save(trainer, training_args)
+
+
+def run_pretrain(model_args, data_args, training_args, **trainer_kwargs):
+    return run_causal_lm("pretrain", model_args, data_args, training_args, **trainer_kwargs)
+
+
+def run_sft(model_args, data_args, training_args, **trainer_kwargs):
+    return run_causal_lm("sft", model_args, data_args, training_args, **trainer_kwargs)
+
+
+def run_lora(model_args, data_args, lora_args, training_args):
+    """LoRA fine-tuning with PEFT. Saves the adapter to --output_dir and with --merge also the merged full model
+    to <output_dir>/merged."""
+    from peft import LoraConfig, get_peft_model
+
+    setup_run(training_args)
+    tokenizer = load_tokenizer(model_args)
+    train_dataset, eval_dataset = load_datasets(lora_args.data_kind, data_args, tokenizer, training_args.seed)
+    lora = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
+                      target_modules=lora_args.lora_target_modules, task_type="CAUSAL_LM")
+    model = get_peft_model(build_model(model_args, tokenizer), lora)
+    model.print_trainable_parameters()
+    collator = default_data_collator if lora_args.data_kind == "pretrain" else sft_collator(tokenizer)
+    if eval_dataset is None:
+        training_args.eval_strategy = "no"
+    trainer = CausalLMTrainer(model=model, args=training_args, train_dataset=train_dataset,
+                              eval_dataset=eval_dataset, data_collator=collator, processing_class=tokenizer)
+    trainer, metrics = train_and_save(trainer, training_args)
+    if lora_args.merge and training_args.should_save:
+        merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        save_hf_directory(merged, tokenizer, Path(training_args.output_dir) / "merged", training_args)
+    return trainer, metrics
+
+
+def dpo_trainer_class():
+    """TRL's DPOTrainer with our saving (imported lazily: TRL takes seconds to import)."""
+    from trl import DPOTrainer
+
+    class MiniMindDPOTrainer(HFDirectoryMixin, DPOTrainer):
+        pass
+
+    return MiniMindDPOTrainer
+
+
+def dpo_config_class():
+    from trl import DPOConfig
+
+    return DPOConfig
+
+
+def load_dpo_datasets(data_args, seed=42):
+    """Validated preference pairs (file:line errors from minimind.data) as conversational rows for TRL, which
+    does the tokenising (prompt = the shared messages, completions = the two final assistant replies)."""
+    from datasets import Dataset
+
+    if not data_args.data_path:
+        raise ValueError("--data_path is required")
+    rows, _ = read_jsonl(data_args.data_path, "dpo", data_args.skip_bad_lines)
+    # Tools as a JSON string: TRL parses it back; as a column of nested structs Arrow would merge its keys.
+    dataset = Dataset.from_list([{"chosen": row["chosen"], "rejected": row["rejected"],
+                                  "tools": json.dumps(row.get("tools") or None)} for row in rows])
+    return split_train_eval(dataset, data_args.eval_fraction, seed)
+
+
+def run_dpo(model_args, data_args, training_args):
+    """DPO (sigmoid loss, --beta) with TRL's DPOTrainer against a frozen copy of the starting model."""
+    setup_run(training_args)
+    tokenizer = load_tokenizer(model_args)
+    train_dataset, eval_dataset = load_dpo_datasets(data_args, training_args.seed)
+    model = build_model(model_args, tokenizer)
+    training_args.max_length = data_args.max_seq_length  # one length flag for all scripts
+    if training_args.router_aux_loss_coef is None:
+        # TRL treats any config with `output_router_logits` as MoE; dense MiniMind returns no aux loss.
+        training_args.router_aux_loss_coef = model.config.router_aux_loss_coef if model.config.use_moe else 0.0
+    if eval_dataset is None:
+        training_args.eval_strategy = "no"
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    trainer = dpo_trainer_class()(model=model, ref_model=reference, args=training_args,
+                                  train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                  processing_class=tokenizer)
+    return train_and_save(trainer, training_args)
+
+
+def run_distill(model_args, data_args, distill_args, training_args):
+    """Knowledge distillation from --teacher_name_or_path into the student (--model_name_or_path or size flags)."""
+    if not distill_args.teacher_name_or_path:
+        raise ValueError("--teacher_name_or_path is required")
+    teacher = load_causal_lm(distill_args.teacher_name_or_path)
+    return run_causal_lm(distill_args.data_kind, model_args, data_args, training_args,
+                         trainer_class=DistillationTrainer, teacher_model=teacher,
+                         temperature=distill_args.temperature, alpha=distill_args.alpha)

@@ -1,0 +1,282 @@
+"""Training scripts and core (minimind/training.py) on tiny settings: every script end to end, LoRA merge,
+DPO margins, distillation, data errors, kill -9 + resume, and 2-process vs 1-process training."""
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT
+
+TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+              "--num_key_value_heads", "2", "--intermediate_size", "96"]
+FAST = ["--use_cpu", "--report_to", "none", "--max_seq_length", "32", "--per_device_train_batch_size", "4",
+        "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--save_strategy", "no",
+        "--disable_tqdm", "true", "--seed", "0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a loaded 2-core machine OpenMP threads spinning
+    against other jobs make each step >10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_script(name):
+    """Import scripts/<name>.py as a module, so its main(argv) runs in-process (no interpreter start-up)."""
+    spec = importlib.util.spec_from_file_location(f"script_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def head(src, dst, n):
+    lines = Path(src).read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+    Path(dst).write_text("".join(lines), encoding="utf-8")
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Small slices of the bundled corpus."""
+    d = tmp_path_factory.mktemp("data")
+    return {"pretrain": head(os.path.join(ROOT, "data", "pretrain.jsonl"), d / "pretrain.jsonl", 150),
+            "sft": head(os.path.join(ROOT, "data", "sft.jsonl"), d / "sft.jsonl", 48),
+            "dpo": head(os.path.join(ROOT, "data", "dpo.jsonl"), d / "dpo.jsonl", 16)}
+
+
+def logged_losses(trainer, key="loss"):
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def load_remote(path):
+    return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def logits_of(model, input_ids):
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, data):
+    """A tiny model pretrained for a few steps by scripts/pretrain.py: (output_dir, trainer, metrics)."""
+    out = tmp_path_factory.mktemp("pretrain")
+    trainer, metrics = load_script("pretrain").main(
+        ["--data_path", data["pretrain"], "--output_dir", str(out), "--max_steps", "12", "--learning_rate", "3e-3",
+         "--eval_fraction", "0.1", *TINY_MODEL, *FAST])
+    return str(out), trainer, metrics
+
+
+def test_pretrain_writes_complete_loadable_hf_directory(pretrained):
+    out, trainer, metrics = pretrained
+    losses = logged_losses(trainer)
+    assert trainer.state.global_step == 12 and losses[-1] < losses[0] - 0.3, losses
+    # Perplexity is exp(eval loss), reported with the metrics and saved with them.
+    assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]))
+    assert json.loads(Path(out, "all_results.json").read_text())["eval_perplexity"] == metrics["eval_perplexity"]
+    assert any("eval_perplexity" in entry for entry in trainer.state.log_history)
+
+    files = set(os.listdir(out))
+    assert {"config.json", "configuration_minimind.py", "modeling_minimind.py", "model.safetensors",
+            "generation_config.json", "tokenizer.json", "tokenizer_config.json", "loss_curve.md"} <= files
+    assert "training_args.bin" not in files and not any(f.endswith((".bin", ".pt", ".pth")) for f in files)
+    assert json.loads(Path(out, "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "modeling_minimind.MiniMindForCausalLM"
+    assert json.loads(Path(out, "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    generation = json.loads(Path(out, "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (1, 2, 0)
+
+    reloaded = load_remote(out)
+    assert type(reloaded).__name__ == "MiniMindForCausalLM"
+    ids = torch.tensor([[1, 300, 301, 302, 303]])
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(trainer.model.eval(), ids))
+
+
+def test_sft_pads_batches_and_chats_after_reload(pretrained, data, tmp_path):
+    out = tmp_path / "sft"
+    trainer, metrics = load_script("sft").main(
+        ["--model_name_or_path", pretrained[0], "--data_path", data["sft"], "--output_dir", str(out),
+         "--max_steps", "4", "--learning_rate", "3e-3", "--eval_fraction", "0.2", "--max_seq_length", "96", *FAST])
+    assert trainer.state.global_step == 4 and math.isfinite(metrics["eval_perplexity"])
+    # SFT rows have different lengths: the collator pads per batch, with -100 labels on the padding.
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert (batch["attention_mask"] == 0).any() and (batch["labels"][batch["attention_mask"] == 0] == -100).all()
+
+    model = load_remote(out)
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    reply = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert reply.shape[1] > prompt["input_ids"].shape[1]
+
+
+def test_lora_targets_projections_not_router():
+    from peft import LoraConfig, get_peft_model
+
+    from conftest import tiny_model
+    from minimind.training import LORA_TARGET_MODULES
+
+    model = get_peft_model(tiny_model(use_moe=True, num_experts=2),
+                           LoraConfig(target_modules=LORA_TARGET_MODULES, task_type="CAUSAL_LM"))
+    wrapped = {name for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert any(".mlp.experts.1.down_proj" in name for name in wrapped)
+    assert any(".self_attn.q_proj" in name for name in wrapped)
+    assert not any(name.endswith(".mlp.gate") for name in wrapped)  # the MoE router stays frozen
+
+
+def test_lora_adapter_and_merged_model_give_same_logits(pretrained, data, tmp_path):
+    from peft import PeftModel
+
+    out = tmp_path / "lora"
+    trainer, _ = load_script("lora").main(
+        ["--model_name_or_path", pretrained[0], "--data_path", data["sft"], "--output_dir", str(out),
+         "--max_steps", "3", "--learning_rate", "1e-2", "--eval_fraction", "0", "--max_seq_length", "96",
+         "--merge", *FAST])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
+    ids = torch.tensor([[1, 300, 301, 302, 303, 304]])
+    base_logits = logits_of(load_remote(pretrained[0]), ids)
+    adapted = logits_of(PeftModel.from_pretrained(load_remote(pretrained[0]), str(out)).eval(), ids)
+    merged = logits_of(load_remote(out / "merged"), ids)
+    assert not torch.allclose(adapted, base_logits, atol=1e-4)  # the adapter learned something
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_dpo_increases_chosen_rejected_margin(pretrained, data, tmp_path):
+    out = tmp_path / "dpo"
+    trainer, _ = load_script("dpo").main(
+        ["--model_name_or_path", pretrained[0], "--data_path", data["dpo"], "--output_dir", str(out),
+         "--max_steps", "8", "--learning_rate", "5e-3", "--beta", "0.1", "--eval_fraction", "0",
+         "--max_seq_length", "96", *FAST])
+    margins = logged_losses(trainer, "rewards/margins")
+    # Step 1: policy == reference, margin 0. Training on the same pairs must separate them.
+    # Each step sees other pairs, so single values are noisy: compare the last three steps.
+    assert margins[0] == pytest.approx(0.0, abs=1e-4) and sum(margins[-3:]) / 3 > 0.2, margins
+    assert logged_losses(trainer)[-1] < math.log(2) - 0.05
+    assert type(load_remote(out)).__name__ == "MiniMindForCausalLM"
+
+
+def test_distillation_kl_term():
+    from minimind.training import distillation_kl
+
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 1, 2, -100, -100]])
+    assert distillation_kl(teacher, teacher, labels, 2.0).item() == pytest.approx(0.0, abs=1e-6)
+    assert distillation_kl(student, teacher, labels, 2.0).item() > 0
+    # Only positions whose next-token label is real count: changing an unlabelled position changes nothing.
+    student2 = student.clone()
+    student2[0, 0] += 5.0
+    torch.testing.assert_close(distillation_kl(student2, teacher, labels, 2.0),
+                               distillation_kl(student, teacher, labels, 2.0))
+
+
+def test_distill_from_saved_teacher_lowers_loss(pretrained, data, tmp_path):
+    out = tmp_path / "distill"
+    trainer, metrics = load_script("distill").main(
+        ["--teacher_name_or_path", pretrained[0], "--data_kind", "pretrain", "--data_path", data["pretrain"],
+         "--output_dir", str(out), "--max_steps", "10", "--learning_rate", "3e-3", "--eval_fraction", "0.1",
+         "--temperature", "2.0", "--alpha", "0.5", *TINY_MODEL, *FAST])
+    losses = logged_losses(trainer)
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert math.isfinite(metrics["eval_perplexity"])
+    assert type(load_remote(out)).__name__ == "MiniMindForCausalLM"
+
+
+def test_malformed_line_stops_before_training(data, tmp_path, capsys):
+    from minimind.data import DataFormatError
+    from minimind.training import run_cli
+
+    lines = Path(data["pretrain"]).read_text(encoding="utf-8").splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(lines[:2]) + '{"text": "unterminated\n' + "".join(lines[2:10]), encoding="utf-8")
+    out = tmp_path / "out"
+    argv = ["--data_path", str(bad), "--output_dir", str(out), "--max_steps", "2", *TINY_MODEL, *FAST]
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(load_script("pretrain").main, argv)
+    assert exit_info.value.code == 2
+    assert f"{bad}, line 3" in capsys.readouterr().err
+    assert not out.exists()  # nothing was trained or saved
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n", encoding="utf-8")
+    with pytest.raises(DataFormatError, match="no valid"):
+        load_script("sft").main(["--data_path", str(empty), "--output_dir", str(out), *TINY_MODEL, *FAST])
+
+
+def subprocess_env():
+    # One thread per process: the CI machine has 2 cores shared with other jobs.
+    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_sigkill_mid_run_then_resume_finishes_all_steps(data, tmp_path):
+    from minimind.training import is_complete_checkpoint, latest_complete_checkpoint
+
+    out = tmp_path / "run"
+    max_steps = 80
+    # Later flags win: these override FAST's --save_strategy no.
+    argv = ["--data_path", data["pretrain"], "--output_dir", str(out), "--max_steps", str(max_steps),
+            *TINY_MODEL, *FAST, "--save_strategy", "steps", "--save_steps", "5", "--save_total_limit", "2"]
+    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "pretrain.py"), *argv],
+                               env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while latest_complete_checkpoint(out) is None:
+            assert process.poll() is None, process.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.stderr.close()
+    assert not (out / "model.safetensors").exists()  # killed before the end, not after
+
+    # A checkpoint directory cut off mid-write (no trainer_state.json) must be skipped, not resumed from.
+    partial = out / "checkpoint-999"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"truncated")
+    assert not is_complete_checkpoint(partial)
+
+    trainer, _ = load_script("pretrain").main([*argv, "--resume_from_checkpoint", "last"])
+    assert trainer.state.global_step == max_steps
+    assert type(load_remote(out)).__name__ == "MiniMindForCausalLM"
+
+
+def test_two_processes_match_one_process(data, tmp_path):
+    """1 process x batch 4 and 2 processes (gloo, CPU) x batch 2 see the same global batches (accelerate shards
+    each global batch across ranks in order) and average the same gradients, so the loss curves agree up to
+    floating-point reassociation: the gradient mean is summed in a different order (all-reduce of two half-batch
+    means vs one mean over 4 rows). Measured: <= 2e-6 apart over 5 steps; 1e-4 absolute on a loss of ~8 leaves
+    room for other BLAS builds and still catches any real difference (a wrong batch split, per-rank seeds or
+    loss scaling change the loss by >1e-2; one process with batch 2 differs by 0.2 here)."""
+    common = ["--data_path", data["pretrain"], "--max_steps", "5", "--learning_rate", "3e-3",
+              "--eval_fraction", "0", *TINY_MODEL, *FAST]
+    two = tmp_path / "two"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "scripts", "pretrain.py"), *common, "--output_dir", str(two),
+               "--per_device_train_batch_size", "2", "--ddp_backend", "gloo"]
+    result = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads((two / "trainer_state.json").read_text())
+    two_losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+
+    one, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "one"),
+                                          "--per_device_train_batch_size", "4"])
+    one_losses = logged_losses(one)
+    assert len(one_losses) == len(two_losses) == 5
+    assert one_losses == pytest.approx(two_losses, abs=1e-4), (one_losses, two_losses)
