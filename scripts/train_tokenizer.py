@@ -2,7 +2,7 @@
 """Train MiniMind's byte-level BPE tokenizer and save it for transformers.
 
     python scripts/train_tokenizer.py                       # bundled data -> tokenizer/
-    python scripts/train_tokenizer.py --files my.jsonl --vocab-size 6400 --output-dir out/
+    python scripts/train_tokenizer.py --files my.jsonl --vocab_size 6400 --output_dir out/
 
 Input files may be MiniMind JSONL (pretrain / SFT / DPO) or plain text.
 """
@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the MiniMind tokenizer.")
     parser.add_argument("--files", nargs="+", type=Path, default=DEFAULT_FILES,
                         help="training text: .jsonl corpora or plain text files (default: bundled data/)")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
-    parser.add_argument("--min-frequency", type=int, default=2)
-    parser.add_argument("--output-dir", type=Path, default=ROOT / "tokenizer")
+    # Underscored like every other script's flags; the dashed spellings stay as aliases.
+    parser.add_argument("--vocab_size", "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--min_frequency", "--min-frequency", type=int, default=2)
+    parser.add_argument("--output_dir", "--output-dir", type=Path, default=ROOT / "tokenizer")
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
