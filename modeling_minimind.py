@@ -265,7 +265,10 @@ class MiniMindMoE(nn.Module):
         # One host sync per layer for the split sizes: the price of running each expert on a dense slice.
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         grouped = x[token_ids]  # [N*k, D]
-        expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, grouped.split(counts))])
+        # Without autograd, experts that got no tokens are skipped (a decode step leaves most of them idle); with
+        # it, every expert runs so that each one gets a (zero) gradient, as optimisers and DDP expect.
+        expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, grouped.split(counts))
+                                if len(chunk) or torch.is_grad_enabled()])
         expert_out = expert_out * weights.reshape(-1)[order, None].to(expert_out.dtype)
         out = x.new_zeros(x.shape, dtype=expert_out.dtype).index_add_(0, token_ids, expert_out)  # [N, D]
         return out.view(batch, seq, dim), router_logits
@@ -369,8 +372,12 @@ class MiniMindModel(MiniMindPreTrainedModel):
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_seen, q_len):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMind needs exactly one of input_ids or inputs_embeds.")
-        if input_ids is not None and not torch.compiler.is_compiling() and input_ids.numel():
-            # One sync, but a clear message instead of a CUDA device assert or a silent wrong embedding.
+        # Caller-supplied ids get a clear range error instead of an IndexError or a CUDA device assert. A one-token
+        # step that extends a cache feeds back the model's own prediction: skipping it off the CPU keeps decoding
+        # free of a per-step host sync.
+        decode_step = (q_len == 1 and input_ids is not None and input_ids.device.type != "cpu"
+                       and (not isinstance(past_seen, int) or past_seen > 0))  # a tensor for StaticCache
+        if input_ids is not None and input_ids.numel() and not decode_step and not torch.compiler.is_compiling():
             if ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any():
                 bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
                 raise ValueError(
