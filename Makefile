@@ -4,7 +4,7 @@ PYTHON ?= python
 # Elsewhere: TORCH_SPEC="torch" (or install the torch for your CUDA yourself and run `make install-package`).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-package demo test test-main test-compat
+.PHONY: install install-package demo test test-main test-compat test-llama-cpp bench
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -24,3 +24,12 @@ test-main:
 
 test-compat:
 	PYTHON=$(PYTHON) bash .ci/compat-4.57.sh
+
+# llama.cpp runs our GGUF export and must agree with MiniMind token for token. llama-cpp-python compiles
+# llama.cpp from source (6-13 minutes on 2 cores, cached by pip afterwards), so this leg is separate from `test`.
+test-llama-cpp:
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PYTHON) -m pip install -q "llama-cpp-python==0.3.36"
+	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_export.py -q -k llama_cpp
+
+bench:
+	$(PYTHON) scripts/benchmark.py

@@ -28,6 +28,7 @@ setup(
     ],
     extras_require={
         "export": ["gguf>=0.19"],
+        "llama_cpp": ["llama-cpp-python>=0.3.36"],
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
         "dev": ["pytest>=8", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26", "httpx>=0.27"],
     },

@@ -39,6 +39,16 @@ def tiny_model(seed=0, std=None, **overrides):
     return MiniMindForCausalLM(config).eval()
 
 
+def load_script(name):
+    """A module object for scripts/<name>.py, so tests call its main(argv) in-process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def repo_root():
     return ROOT

@@ -1,0 +1,81 @@
+"""The benchmark end to end in --quick mode (tiny shapes, one repeat): table structure, the identical-weights
+pairing and the KV-cache byte count. No timing is asserted: the machine is shared and noisy."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from minimind.benchmark import (TABLE_COLUMNS, build_pair, default_workloads, matmul_params_per_token,
+                                model_shapes, select_workloads)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("benchmark_script", os.path.join(ROOT, "scripts", "benchmark.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table_rows(markdown):
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    split = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return split[0], split[2:]  # header, body (the second line is the |---| rule)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    output = tmp_path_factory.mktemp("bench") / "benchmarks.md"
+    _load_script().main(["--quick", "--device", "cpu", "--output", str(output)])
+    return output.read_text()
+
+
+def test_quick_run_writes_every_row_with_machine_details(quick_run):
+    header, body = _table_rows(quick_run)
+    assert header == TABLE_COLUMNS
+    assert [row[0] for row in body] == [w.row_id for w in default_workloads(quick=True, device_type="cpu")]
+    for key in ("- date:", "- device: cpu", "- cpu:", "- cores:", "- torch:", "- transformers:", "matmul ceiling"):
+        assert key in quick_run
+    for row in body:
+        cells = dict(zip(header, row))
+        if cells["verdict"] == "skipped":  # torch.compile is off on CPU unless asked for
+            assert "compile" in cells["row"] and cells["notes"]
+            continue
+        assert float(cells["ours tok/s"].replace(",", "")) > 0
+        assert float(cells["native tok/s"].replace(",", "")) > 0
+        assert float(cells["ratio (min-max)"].split()[0]) > 0
+        assert "%" in cells["ours GFLOP/s (% of ceiling)"] and "iB" in cells["peak mem ours / native"]
+
+
+def test_kv_cache_bytes_equal_the_formula_on_every_decode_row(quick_run):
+    header, body = _table_rows(quick_run)
+    decode_rows = [dict(zip(header, row)) for row in body if row[0].startswith("decode") and row[7] != "skipped"]
+    assert len(decode_rows) >= 6
+    for cells in decode_rows:
+        measured, sign, expected = cells["KV cache bytes (= formula)"].split()
+        assert sign == "=" and measured == expected and int(measured.replace(",", "")) > 0
+
+
+@pytest.mark.parametrize("shape", ["64M", "moe-top2"])
+def test_pair_gives_the_same_logits(shape):
+    ours, native = build_pair(model_shapes(quick=True)[shape], torch.device("cpu"), torch.float32, "sdpa", seed=0)
+    ids = torch.randint(3, ours.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, native(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_flop_count_covers_every_decoder_weight():
+    ours, _ = build_pair(model_shapes(quick=True)["64M"], torch.device("cpu"), torch.float32, "sdpa", seed=0)
+    layer_weights = sum(m.weight.numel() for m in ours.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_params_per_token(ours.config) == layer_weights
+
+
+def test_rows_filter_takes_globs_and_rejects_unknown_rows():
+    rows = default_workloads(quick=True, device_type="cpu")
+    assert {w.row_id for w in select_workloads(rows, ["decode-static-*"])} == {
+        "decode-static-b1-64M", "decode-static-b8-64M", "decode-static-compile-b1-64M"}
+    with pytest.raises(ValueError, match="match no row"):
+        select_workloads(rows, ["no-such-row"])
