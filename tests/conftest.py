@@ -39,6 +39,23 @@ def tiny_model(seed=0, std=None, **overrides):
     return MiniMindForCausalLM(config).eval()
 
 
+TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def model_dir(path, std=None, with_tokenizer=True, **overrides):
+    """Save a tiny model to `path` as a complete model directory: with the shipped tokenizer (so the vocabulary
+    grows to its 6400 tokens), or without one (vocab 97). Returns the model."""
+    import shutil
+
+    model = tiny_model(std=std, **({"vocab_size": 6400} if with_tokenizer else {}), **overrides)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        for name in TOKENIZER_FILES:
+            shutil.copy(os.path.join(TOKENIZER_DIR, name), path)
+    return model
+
+
 def load_script(name):
     """A module object for scripts/<name>.py, so tests call its main(argv) in-process."""
     import importlib.util

@@ -1,23 +1,13 @@
 """The benchmark end to end in --quick mode (tiny shapes, one repeat): table structure, the identical-weights
 pairing and the KV-cache byte count. No timing is asserted: the machine is shared and noisy."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from minimind.benchmark import (TABLE_COLUMNS, build_pair, default_workloads, matmul_params_per_token,
                                 model_shapes, select_workloads)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("benchmark_script", os.path.join(ROOT, "scripts", "benchmark.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def _table_rows(markdown):
@@ -29,7 +19,7 @@ def _table_rows(markdown):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     output = tmp_path_factory.mktemp("bench") / "benchmarks.md"
-    _load_script().main(["--quick", "--device", "cpu", "--output", str(output)])
+    load_script("benchmark").main(["--quick", "--device", "cpu", "--output", str(output)])
     return output.read_text()
 
 

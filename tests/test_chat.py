@@ -2,40 +2,22 @@
 
 import io
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, tiny_model
+from conftest import ROOT, model_dir
 
 from minimind.chat import SamplingParams, TextStream, chat_loop, chat_prompt_ids, load_model_and_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def make_chat_model_dir(path):
-    """A tiny MiniMind (sharp logits: std 0.3, so greedy replies vary) saved with the repo's tokenizer."""
-    model = tiny_model(std=0.3, vocab_size=6400)
-    model.save_pretrained(path)
-    shipped = os.path.join(ROOT, "tokenizer")
-    if os.path.exists(os.path.join(shipped, "tokenizer.json")):
-        for name in TOKENIZER_FILES:
-            if os.path.exists(os.path.join(shipped, name)):
-                shutil.copy(os.path.join(shipped, name), path)
-    else:  # a checkout without the trained tokenizer: a small stand-in trained with the same code
-        from minimind.tokenizer import save_tokenizer, train_tokenizer
-
-        corpus = os.path.join(path, "corpus.txt")
-        with open(corpus, "w", encoding="utf-8") as f:
-            f.write("hello world, how are you today? I am a tiny model.\n" * 50)
-        save_tokenizer(train_tokenizer([corpus], vocab_size=400, min_frequency=1), path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
-    return make_chat_model_dir(tmp_path_factory.mktemp("chat-model"))
+    path = tmp_path_factory.mktemp("chat-model")
+    model_dir(path, std=0.3)  # sharp logits: greedy replies vary with the prompt
+    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Import of upstream MiniMind `.pth` state dicts: strict names, RoPE tables ignored, mismatches named."""
 
-import importlib.util
 import json
 import os
 
@@ -9,9 +8,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, tiny_model
+from conftest import TOKENIZER_DIR, load_script, tiny_model
 
-TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
 # Flags describing tiny_config() as upstream settings.
 TINY_FLAGS = ["--vocab_size", "97", "--hidden_size", "64", "--intermediate_size", "96", "--num_hidden_layers", "2",
               "--num_attention_heads", "4", "--num_key_value_heads", "2", "--max_position_embeddings", "256",
@@ -19,11 +17,7 @@ TINY_FLAGS = ["--vocab_size", "97", "--hidden_size", "64", "--intermediate_size"
 
 
 def _convert(*args):
-    spec = importlib.util.spec_from_file_location("convert_script",
-                                                  os.path.join(ROOT, "scripts", "convert_minimind.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([str(a) for a in args])
+    return load_script("convert_minimind").main([str(a) for a in args])
 
 
 def _upstream_pth(path, model, dtype=None):
@@ -38,14 +32,13 @@ def _upstream_pth(path, model, dtype=None):
 def test_import_fp16_checkpoint_with_flags_loads_with_remote_code(tmp_path):
     source = tiny_model(std=0.1, qk_norm=False)  # upstream's older models have no q/k norm
     pth = _upstream_pth(tmp_path / "full_sft_64.pth", source, dtype=torch.float16)
-    copy_tokenizer = ["--tokenizer_name_or_path", TOKENIZER_DIR] if os.path.isdir(TOKENIZER_DIR) else []
-    _convert("--pth", pth, "--output_dir", tmp_path / "hf", "--no_qk_norm", *TINY_FLAGS, *copy_tokenizer)
+    _convert("--pth", pth, "--output_dir", tmp_path / "hf", "--no_qk_norm", *TINY_FLAGS,
+             "--tokenizer_name_or_path", TOKENIZER_DIR)
 
     files = set(os.listdir(tmp_path / "hf"))
     assert {"config.json", "model.safetensors", "generation_config.json", "configuration_minimind.py",
             "modeling_minimind.py"} <= files
-    if copy_tokenizer:
-        assert {"tokenizer.json", "tokenizer_config.json"} <= files
+    assert {"tokenizer.json", "tokenizer_config.json"} <= files
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float16  # no silent upcast
         assert not any("freqs" in key for key in f.keys())

@@ -10,30 +10,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, tiny_config, tiny_model
-from minimind.export import check_gguf_compatible, check_qwen3_compatible, copy_tokenizer_files
+from conftest import TOKENIZER_DIR, load_script, model_dir, tiny_config
+from minimind.export import check_gguf_compatible, check_qwen3_compatible
 
-TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
-needs_tokenizer = pytest.mark.skipif(not os.path.isfile(os.path.join(TOKENIZER_DIR, "tokenizer.json")),
-                                     reason="the shipped tokenizer/ is not built yet")
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
                                 reason="the gguf package is not installed (pip install gguf)")
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _export(*args):
-    spec = importlib.util.spec_from_file_location("export_script", os.path.join(ROOT, "scripts", "export.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([str(a) for a in args])
+    return load_script("export").main([str(a) for a in args])
 
 
 def _model_dir(path, with_tokenizer=True, std=0.1, **overrides):
-    model = tiny_model(std=std, **({"vocab_size": 6400} if with_tokenizer else {}), **overrides)
-    model.save_pretrained(path)
-    if with_tokenizer:
-        copy_tokenizer_files(TOKENIZER_DIR, path)
-    return model
+    return model_dir(path, std=std, with_tokenizer=with_tokenizer, **overrides)
 
 
 def _load_native(path):
@@ -47,7 +37,6 @@ def _load_native(path):
 # transformers Qwen3 / Qwen3-MoE
 # ------------------------------------------------------------------------------------------------------
 
-@needs_tokenizer
 def test_export_qwen3_dense_yarn_same_logits_without_remote_code(tmp_path):
     ours = _model_dir(tmp_path / "src", rope_scaling=YARN)
     _export("--to", "qwen3", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "dst")
@@ -107,7 +96,6 @@ def _gguf_array(tensor):
     return np.asarray(tensor.data).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-@needs_tokenizer
 @needs_gguf
 def test_gguf_dense_metadata_tokenizer_and_tensors(tmp_path):
     ours = _model_dir(tmp_path / "src", rope_scaling=YARN)
@@ -149,7 +137,6 @@ def test_gguf_dense_metadata_tokenizer_and_tensors(tmp_path):
         np.testing.assert_array_equal(_gguf_array(tensors[name]), value.numpy(), err_msg=name)
 
 
-@needs_tokenizer
 @needs_gguf
 def test_gguf_moe_expert_tensors_and_counts(tmp_path):
     ours = _model_dir(tmp_path / "src", use_moe=True, num_experts=4, num_experts_per_tok=2,
@@ -187,7 +174,6 @@ def test_gguf_refuses_settings_llama_cpp_cannot_run(overrides, field):
         check_gguf_compatible(tiny_config(**overrides))
 
 
-@needs_tokenizer
 @needs_gguf
 def test_gguf_refuses_tokenizer_llama_cpp_would_split_differently(tmp_path):
     from tokenizers import Tokenizer, pre_tokenizers
@@ -200,7 +186,6 @@ def test_gguf_refuses_tokenizer_llama_cpp_would_split_differently(tmp_path):
         _export("--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out")
 
 
-@needs_tokenizer
 @needs_gguf
 @pytest.mark.skipif(os.environ.get("MINIMIND_LLAMA_CPP") != "1" or importlib.util.find_spec("llama_cpp") is None,
                     reason="opt-in: set MINIMIND_LLAMA_CPP=1 with llama-cpp-python installed (pip install "

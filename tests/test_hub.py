@@ -1,7 +1,6 @@
 """Hub publishing without network: huggingface_hub's HfApi is faked at its boundary (create_repo /
 create_commit / upload_folder), and the fake reads every file of the commit while it still exists."""
 
-import importlib.util
 import json
 import os
 import types
@@ -11,20 +10,9 @@ import huggingface_hub
 import pytest
 from huggingface_hub import ModelCard
 
-from conftest import ROOT, tiny_model
-from minimind.export import copy_tokenizer_files
+from conftest import ROOT, TOKENIZER_DIR, load_script, model_dir, tiny_model
 
-TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(TOKENIZER_DIR, "tokenizer.json")),
-                                reason="the shipped tokenizer/ is not built yet")
 CODE_FILES = {"configuration_minimind.py", "modeling_minimind.py"}
-
-
-def _load_script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class FakeHub:
@@ -68,9 +56,7 @@ class FakeHub:
 
 def _trained_model_dir(path):
     """A model directory as a Trainer run leaves it: model + tokenizer + training records + leftovers."""
-    model = tiny_model(vocab_size=6400)
-    model.save_pretrained(path)
-    copy_tokenizer_files(TOKENIZER_DIR, path)
+    model = model_dir(path)
     (path / "trainer_state.json").write_text(json.dumps({
         "global_step": 120, "epoch": 2.0, "max_steps": 120, "num_train_epochs": 2, "train_batch_size": 8,
         "log_history": [{"loss": 5.25, "step": 60}, {"loss": 3.14159, "step": 120}, {"eval_loss": 3.5, "step": 120}],
@@ -85,7 +71,7 @@ def _trained_model_dir(path):
 def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
     model = _trained_model_dir(tmp_path / "run")
     with FakeHub() as hub:
-        _load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"),
+        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"),
                                           "--repo_id", "someone/minimind-tiny", "--private"])
 
     assert [repo for repo, _ in hub.repos] == ["someone/minimind-tiny"]
@@ -116,7 +102,7 @@ def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
 def test_push_with_separate_tokenizer_and_unknown_training(tmp_path):
     tiny_model(vocab_size=6400).save_pretrained(tmp_path / "bare")
     with FakeHub() as hub:
-        _load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "bare"), "--repo_id", "a/b",
+        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "bare"), "--repo_id", "a/b",
                                           "--tokenizer_name_or_path", TOKENIZER_DIR, "--license", "mit"])
     files = hub.commits[0]["files"]
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(files)
@@ -130,7 +116,7 @@ def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path):
     os.remove(tmp_path / "m" / "generation_config.json")
     os.remove(tmp_path / "m" / "modeling_minimind.py")
     with FakeHub() as hub, pytest.raises(ValueError) as error:
-        _load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "m"), "--repo_id", "a/b"])
+        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "m"), "--repo_id", "a/b"])
     message = str(error.value)
     for problem in ("generation_config.json", "modeling_minimind.py", "tokenizer.json"):
         assert problem in message

@@ -1,23 +1,13 @@
 """`pipeline("text-generation", model=dir, trust_remote_code=True)` with chat messages as input."""
 
-import os
-
-import pytest
 import torch
 from transformers import pipeline
 
-from conftest import ROOT, tiny_model
-from minimind.export import copy_tokenizer_files
-
-TOKENIZER_DIR = os.path.join(ROOT, "tokenizer")
+from conftest import model_dir
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(TOKENIZER_DIR, "tokenizer.json")),
-                    reason="the shipped tokenizer/ is not built yet")
 def test_text_generation_pipeline_takes_chat_messages(tmp_path):
-    model = tiny_model(std=0.3, vocab_size=6400)
-    model.save_pretrained(tmp_path)
-    copy_tokenizer_files(TOKENIZER_DIR, tmp_path)
+    model = model_dir(tmp_path, std=0.3)
 
     chat = pipeline("text-generation", model=str(tmp_path), trust_remote_code=True)
     assert type(chat.model).__name__ == "MiniMindForCausalLM"

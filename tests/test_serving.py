@@ -2,8 +2,6 @@
 (streaming and not) and by raw httpx for malformed requests. Greedy decoding throughout, so every answer can be
 compared with the same generation run directly."""
 
-import importlib.util
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,8 +10,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from conftest import ROOT
-from test_chat import make_chat_model_dir
+from conftest import load_script, model_dir
 
 from minimind.chat import SamplingParams, TextStream, chat_prompt_ids, load_model_and_tokenizer
 from minimind.serving import Generator, create_app
@@ -22,9 +19,15 @@ MODEL_ID = "tiny-minimind"
 MAX_CONTEXT = 128  # below the model's 256, to check the --max_context limit
 
 
+def _served_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("served")
+    model_dir(path, std=0.3)  # sharp logits: greedy replies vary with the prompt
+    return path
+
+
 @pytest.fixture(scope="module")
 def generator(tmp_path_factory):
-    model, tokenizer = load_model_and_tokenizer(make_chat_model_dir(tmp_path_factory.mktemp("served")), "cpu")
+    model, tokenizer = load_model_and_tokenizer(str(_served_dir(tmp_path_factory)), "cpu")
     return Generator(model, tokenizer, MODEL_ID, max_context=MAX_CONTEXT, default_max_tokens=8)
 
 
@@ -184,9 +187,7 @@ def ask_chat(client, request, stream):
 
 
 def test_serve_script_binds_loopback_by_default(monkeypatch, generator, tmp_path):
-    spec = importlib.util.spec_from_file_location("serve_script", os.path.join(ROOT, "scripts", "serve.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("serve")
     calls = []
     monkeypatch.setattr(script, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
     monkeypatch.setattr(script, "serve", lambda app, host, port: calls.append((app, host, port)))

@@ -1,7 +1,6 @@
 """Training scripts and core (minimind/training.py) on tiny settings: every script end to end, LoRA merge,
 DPO margins, distillation, data errors, kill -9 + resume, and 2-process vs 1-process training."""
 
-import importlib.util
 import json
 import math
 import os
@@ -15,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
               "--num_key_value_heads", "2", "--intermediate_size", "96"]
@@ -32,14 +31,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def load_script(name):
-    """Import scripts/<name>.py as a module, so its main(argv) runs in-process (no interpreter start-up)."""
-    spec = importlib.util.spec_from_file_location(f"script_{name}", os.path.join(ROOT, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def head(src, dst, n):
