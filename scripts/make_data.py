@@ -10,7 +10,7 @@ sensible demo replies.
 
 Usage:
     python scripts/make_data.py                 # writes data/*.jsonl, seed 42
-    python scripts/make_data.py --seed 7 --out-dir /tmp/data
+    python scripts/make_data.py --seed 7 --out_dir /tmp/data
 
 The output is byte-identical for a given seed and set of size options.
 """
@@ -715,11 +715,12 @@ def dpo_rows(rng: random.Random, n: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent.parent / "data")
+    # Underscored like every other script's flags; the dashed spellings stay as aliases.
+    parser.add_argument("--out_dir", "--out-dir", type=Path, default=Path(__file__).resolve().parent.parent / "data")
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--pretrain-rows", type=int, default=6000)
-    parser.add_argument("--sft-rows", type=int, default=5000)
-    parser.add_argument("--dpo-rows", type=int, default=400)
+    parser.add_argument("--pretrain_rows", "--pretrain-rows", type=int, default=6000)
+    parser.add_argument("--sft_rows", "--sft-rows", type=int, default=5000)
+    parser.add_argument("--dpo_rows", "--dpo-rows", type=int, default=400)
     args = parser.parse_args(argv)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
