@@ -29,7 +29,9 @@ _BOOL_FLAGS = ("use_moe", "qk_norm", "tie_word_embeddings", "norm_topk_prob", "i
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Import an upstream MiniMind .pth checkpoint.")
-    parser.add_argument("--pth", required=True, help="upstream state dict saved with torch.save")
+    # --model_name_or_path like every other script: here the model to import is the upstream .pth file.
+    parser.add_argument("--pth", "--model_name_or_path", dest="pth", required=True,
+                        help="upstream state dict saved with torch.save (the model to import)")
     parser.add_argument("--output_dir", required=True, help="MiniMind model directory to write")
     parser.add_argument("--config_json", default=None, help="JSON object of upstream/MiniMind config settings")
     parser.add_argument("--tokenizer_name_or_path", default=None, help="tokenizer directory to copy along")

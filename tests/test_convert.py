@@ -62,7 +62,7 @@ def test_import_moe_from_upstream_settings_json(tmp_path):
                 "n_shared_experts": 0, "scoring_func": "softmax", "aux_loss_alpha": 0.01, "seq_aux": True,
                 "dropout": 0.0, "tie_word_embeddings": False, "model_type": "minimind"}
     (tmp_path / "upstream.json").write_text(json.dumps(settings))
-    model = _convert("--pth", pth, "--config_json", tmp_path / "upstream.json", "--output_dir", tmp_path / "hf")
+    model = _convert("--model_name_or_path", pth, "--config_json", tmp_path / "upstream.json", "--output_dir", tmp_path / "hf")
 
     assert (model.config.num_experts, model.config.router_aux_loss_coef) == (4, 0.01)
     for key, value in source.state_dict().items():
