@@ -318,6 +318,26 @@ class MiniMindDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + mlp_out, attn_weights, router_logits  # [B, T, D]
 
 
+def _check_mask_shape(attention_mask, batch, past_seen, q_len):
+    """A 2-D mask has one column per token of the whole sequence (cached ones included); a 4-D one is
+    [B or 1, 1, T, key length]. `past_seen` is a tensor (length unknown here) for StaticCache."""
+    known_len = past_seen + q_len if isinstance(past_seen, int) else None
+    if attention_mask.dim() == 2:
+        ok = attention_mask.shape[0] == batch and (
+            attention_mask.shape[1] == known_len if known_len is not None else attention_mask.shape[1] >= q_len)
+        expected = f"[{batch}, {known_len if known_len is not None else 'past + new tokens'}]"
+    elif attention_mask.dim() == 4:
+        ok = attention_mask.shape[0] in (1, batch) and attention_mask.shape[2] == q_len
+        expected = f"[{batch}, 1, {q_len}, key length]"
+    else:
+        ok, expected = False, f"[{batch}, past + new tokens] (2-D) or [{batch}, 1, {q_len}, key length] (4-D)"
+    if not ok:
+        raise ValueError(
+            f"attention_mask has shape {list(attention_mask.shape)} but these inputs need {expected} "
+            f"(batch {batch}, {q_len} new tokens, {past_seen} cached). Fix: pass one mask column per "
+            f"token of the full sequence, cached tokens included.")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Models
 # ----------------------------------------------------------------------------------------------------------
@@ -370,43 +390,33 @@ class MiniMindModel(MiniMindPreTrainedModel):
         self.embed_tokens = value
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_seen, q_len):
+        """Bad input fails here with a message naming the fix, not later as a device assert or garbage."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMind needs exactly one of input_ids or inputs_embeds.")
-        # Caller-supplied ids get a clear range error instead of an IndexError or a CUDA device assert. A one-token
-        # step that extends a cache feeds back the model's own prediction: skipping it off the CPU keeps decoding
-        # free of a per-step host sync.
-        decode_step = (q_len == 1 and input_ids is not None and input_ids.device.type != "cpu"
-                       and (not isinstance(past_seen, int) or past_seen > 0))  # a tensor for StaticCache
-        if input_ids is not None and input_ids.numel() and not decode_step and not torch.compiler.is_compiling():
-            if ((input_ids < 0) | (input_ids >= self.config.vocab_size)).any():
-                bad = input_ids[(input_ids < 0) | (input_ids >= self.config.vocab_size)]
-                raise ValueError(
-                    f"input_ids contain token id(s) {sorted(set(bad.tolist()))[:8]} outside the vocabulary "
-                    f"[0, {self.config.vocab_size}). Fix: tokenize with this model's tokenizer, or "
-                    f"resize_token_embeddings() after adding tokens.")
         batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        if input_ids is not None:
+            self._check_token_ids(input_ids, past_seen, q_len)
         if isinstance(attention_mask, torch.Tensor):
-            known_len = past_seen + q_len if isinstance(past_seen, int) else None  # unknown for StaticCache
-            if attention_mask.dim() == 2:
-                ok = attention_mask.shape[0] == batch and (
-                    attention_mask.shape[1] == known_len if known_len is not None
-                    else attention_mask.shape[1] >= q_len)
-                expected = f"[{batch}, {known_len if known_len is not None else 'past + new tokens'}]"
-            elif attention_mask.dim() == 4:
-                ok = attention_mask.shape[0] in (1, batch) and attention_mask.shape[2] == q_len
-                expected = f"[{batch}, 1, {q_len}, key length]"
-            else:
-                ok, expected = False, f"[{batch}, past + new tokens] (2-D) or [{batch}, 1, {q_len}, key length] (4-D)"
-            if not ok:
-                raise ValueError(
-                    f"attention_mask has shape {list(attention_mask.shape)} but these inputs need {expected} "
-                    f"(batch {batch}, {q_len} new tokens, {past_seen} cached). Fix: pass one mask column per "
-                    f"token of the full sequence, cached tokens included.")
+            _check_mask_shape(attention_mask, batch, past_seen, q_len)
         if isinstance(past_seen, int) and past_seen + q_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"Sequence of {past_seen + q_len} tokens exceeds max_position_embeddings="
                 f"{self.config.max_position_embeddings}. Fix: shorten the input, or extend the context with "
                 f"rope_scaling (e.g. inference_rope_scaling=True for YaRN) and a larger max_position_embeddings.")
+
+    def _check_token_ids(self, input_ids, past_seen, q_len):
+        # A one-token step that extends a cache feeds back the model's own prediction: skipping the check there
+        # off the CPU keeps decoding free of a per-step host sync. Prompts are always checked.
+        decode_step = (q_len == 1 and input_ids.device.type != "cpu"
+                       and (not isinstance(past_seen, int) or past_seen > 0))  # a tensor for StaticCache
+        if decode_step or not input_ids.numel() or torch.compiler.is_compiling():
+            return
+        out_of_range = (input_ids < 0) | (input_ids >= self.config.vocab_size)
+        if out_of_range.any():
+            raise ValueError(
+                f"input_ids contain token id(s) {sorted(set(input_ids[out_of_range].tolist()))[:8]} outside the "
+                f"vocabulary [0, {self.config.vocab_size}). Fix: tokenize with this model's tokenizer, or "
+                f"resize_token_embeddings() after adding tokens.")
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
