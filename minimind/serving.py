@@ -193,6 +193,17 @@ def _run_to_end(job: _Job) -> tuple[list[tuple[str, str]], int]:
 # The app
 # ----------------------------------------------------------------------------------------------------------
 
+def _completion_response(job, model_id, id_prefix, object_name, choice_body):
+    """The non-streaming body shared by both endpoints; `choice_body(text)` gives the endpoint's own fields."""
+    results, completion_tokens = _run_to_end(job)
+    return {
+        "id": _completion_id(id_prefix), "object": object_name, "created": int(time.time()), "model": model_id,
+        "choices": [{"index": i, **choice_body(text), "logprobs": None, "finish_reason": reason}
+                    for i, (text, reason) in enumerate(results)],
+        "usage": _usage(job.prompt_tokens, completion_tokens),
+    }
+
+
 def create_app(generator: Generator) -> FastAPI:
     app = FastAPI(title="MiniMind OpenAI-compatible server")
 
@@ -237,14 +248,8 @@ def create_app(generator: Generator) -> FastAPI:
         job = _Job(generator, request, [chat_prompt_ids(generator.tokenizer, messages)], param="messages")
         if request.stream:
             return _event_stream(_stream_events(job, generator.model_id, chat=True))
-        results, completion_tokens = _run_to_end(job)
-        return {
-            "id": _completion_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": generator.model_id,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": reason} for i, (text, reason) in enumerate(results)],
-            "usage": _usage(job.prompt_tokens, completion_tokens),
-        }
+        return _completion_response(job, generator.model_id, "chatcmpl", "chat.completion",
+                                    lambda text: {"message": {"role": "assistant", "content": text}})
 
     @app.post("/v1/completions")
     def completions(request: CompletionRequest):
@@ -257,14 +262,8 @@ def create_app(generator: Generator) -> FastAPI:
         job = _Job(generator, request, [generator.tokenizer(p)["input_ids"] for p in prompts], param="prompt")
         if request.stream:
             return _event_stream(_stream_events(job, generator.model_id, chat=False))
-        results, completion_tokens = _run_to_end(job)
-        return {
-            "id": _completion_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": generator.model_id,
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                        for i, (text, reason) in enumerate(results)],
-            "usage": _usage(job.prompt_tokens, completion_tokens),
-        }
+        return _completion_response(job, generator.model_id, "cmpl", "text_completion",
+                                    lambda text: {"text": text})
 
     return app
 
