@@ -4,7 +4,7 @@ PYTHON ?= python
 # Elsewhere: TORCH_SPEC="torch" (or install the torch for your CUDA yourself and run `make install-package`).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-package demo test test-main test-compat test-llama-cpp bench
+.PHONY: install install-package demo test test-main test-compat test-llama-cpp bench gpu-check
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -16,14 +16,16 @@ install-package:
 demo: install
 	$(PYTHON) scripts/demo.py --output_dir runs/demo
 
-# Both legs: the suite under the installed transformers 5.x, then the model files under 4.57 (own venv).
+# Three legs: the suite under the installed transformers 5.x, again under 5.17, then the model files under 4.57
+# (each other release in its own cached venv that shares the installed torch).
 test: test-main test-compat
 
 test-main:
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests -q
 
 test-compat:
-	PYTHON=$(PYTHON) bash .ci/compat-4.57.sh
+	PYTHON=$(PYTHON) bash .ci/compat.sh 5.17
+	PYTHON=$(PYTHON) bash .ci/compat.sh 4.57
 
 # llama.cpp runs our GGUF export and must agree with MiniMind token for token. llama-cpp-python compiles
 # llama.cpp from source (6-13 minutes on 2 cores, cached by pip afterwards), so this leg is separate from `test`.
@@ -33,3 +35,7 @@ test-llama-cpp:
 
 bench:
 	$(PYTHON) scripts/benchmark.py
+
+# Everything that needs a CUDA GPU (tests, benchmark, profiles) in one run of at most ~8 minutes; not part of CI.
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh

@@ -32,7 +32,18 @@ except ImportError:  # the repo root on sys.path
 
 # transformers 5 renamed the cache keyword and output field from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-_MASK_TAKES_CACHE = "cache" in inspect.signature(create_causal_mask).parameters
+# create_causal_mask's keywords moved across versions: 4.57 takes `cache_position` and `past_key_values`, 5.0-5.2x
+# `past_key_values` alone, later 5.x `cache`.
+_MASK_PARAMS = inspect.signature(create_causal_mask).parameters
+_MASK_CACHE_KEYWORD = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
+
+
+def _kernel_writes_cache(cache):
+    """True for the paged cache of continuous batching in 4.57 and earlier 5.x (5.17): the paged attention kernel
+    writes it (its update() takes read/write indices), so the layer hands it over instead of updating it. Later
+    5.x paged caches are updated by the layer, like every `Cache`."""
+    return (cache is not None and not isinstance(cache, Cache)
+            and "read_index" in inspect.signature(cache.update).parameters)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -188,7 +199,9 @@ class MiniMindAttention(nn.Module):
         # q [B, H, T, Dh], k/v [B, K, T, Dh]
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:
+        if _kernel_writes_cache(cache):
+            kwargs["cache"] = cache
+        elif cache is not None:
             # The attention kwargs travel with the update: the paged cache of continuous batching fills in what
             # its kernel needs, 4.57's StaticCache reads cache_position, the other caches ignore them.
             kwargs["cache_position"] = cache_position
@@ -270,7 +283,8 @@ class MiniMindMoE(nn.Module):
         expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, grouped.split(counts))
                                 if len(chunk) or torch.is_grad_enabled()])
         expert_out = expert_out * weights.reshape(-1)[order, None].to(expert_out.dtype)
-        out = x.new_zeros(x.shape, dtype=expert_out.dtype).index_add_(0, token_ids, expert_out)  # [N, D]
+        # Summed in the residual stream's dtype: under bf16 autocast the top-k outputs add up in fp32, as in Qwen3-MoE.
+        out = x.new_zeros(x.shape).index_add_(0, token_ids, expert_out.to(x.dtype))  # [N, D]
         return out.view(batch, seq, dim), router_logits
 
 
@@ -448,10 +462,11 @@ class MiniMindModel(MiniMindPreTrainedModel):
         if position_ids is None:
             position_ids = cache_position.unsqueeze(0)  # [1, T]
 
-        if _MASK_TAKES_CACHE:
-            mask = create_causal_mask(cfg, inputs_embeds, attention_mask, cache=cache, position_ids=position_ids)
-        else:  # 4.57: (config, input_embeds, attention_mask, cache_position, past_key_values, position_ids)
-            mask = create_causal_mask(cfg, inputs_embeds, attention_mask, cache_position, cache, position_ids)
+        mask_cache = None if _kernel_writes_cache(cache) else cache  # that kernel brings its own mask
+        mask_kwargs = {_MASK_CACHE_KEYWORD: mask_cache, "position_ids": position_ids}
+        if "cache_position" in _MASK_PARAMS:
+            mask_kwargs["cache_position"] = cache_position
+        mask = create_causal_mask(cfg, inputs_embeds, attention_mask, **mask_kwargs)
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)  # cos, sin [B|1, T, Dh]

@@ -44,6 +44,7 @@ class BenchmarkSettings:
     warmup: int | None = None  # untimed runs per model first (default: 1, train 2; at least 1)
     compile: str = "auto"  # "auto" (on for cuda, off for cpu) | "on" | "off"
     attn_implementation: str = "sdpa"  # or "flash_attention_2" on cuda where the package is installed
+    profile: list = field(default_factory=list)  # glob patterns over row ids: log a torch.profiler table of each
     seed: int = 0
     command: str = ""  # the command line, recorded in the report
 
@@ -139,18 +140,23 @@ def default_workloads(quick, device_type):
         for batch in (1, 8):
             rows.append(Workload(f"decode-{cache}-b{batch}-64M", "64M", "decode", batch, prompt, new,
                                  dtype=decode_dtype, cache=cache))
-    rows.append(Workload("decode-static-compile-b1-64M", "64M", "decode", 1, prompt, new, dtype=decode_dtype,
-                         cache="static", compile=True))
     for shape in ("moe-top1", "moe-top2"):
         rows.append(Workload(f"train-fp32-{shape}", shape, "train", *train_bt, dtype="fp32"))
         rows.append(Workload(f"decode-dynamic-b1-{shape}", shape, "decode", 1, prompt, new, dtype=decode_dtype))
+    # Last: its compile time is the one open-ended cost, and a run cut short keeps every row before it.
+    rows.append(Workload("decode-static-compile-b1-64M", "64M", "decode", 1, prompt, new, dtype=decode_dtype,
+                         cache="static", compile=True))
     return rows
+
+
+def row_matches(row_id, patterns):
+    return any(fnmatch.fnmatch(row_id, p) or p in row_id for p in patterns)
 
 
 def select_workloads(workloads, patterns):
     if not patterns:
         return workloads
-    chosen = [w for w in workloads if any(fnmatch.fnmatch(w.row_id, p) or p in w.row_id for p in patterns)]
+    chosen = [w for w in workloads if row_matches(w.row_id, patterns)]
     if not chosen:
         raise ValueError(f"--rows {patterns} match no row. Rows: {', '.join(w.row_id for w in workloads)}")
     return chosen
@@ -425,6 +431,19 @@ def race(fns, repeats, device):
     return times
 
 
+def profile_table(fn, device, row_limit=15):
+    """torch.profiler's op table for one call, most expensive first (device time on a GPU: kernels; CPU time
+    otherwise). On CUDA, host syncs show up as cudaStreamSynchronize / cudaMemcpyAsync rows."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profiler:
+        fn()
+        synchronize(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return profiler.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+
+
 def default_repeats(kind, quick):
     """Short runs repeated often beat long ones on a noisy machine; decode runs are the long ones."""
     if quick:
@@ -457,6 +476,9 @@ def measure(w, shape_overrides, settings, device, log):
     warmup = max(1, settings.warmup if settings.warmup is not None else (2 if w.kind == "train" else 1))
     peaks, outputs = warm_up(fns, warmup, device)
     times = race(fns, settings.repeats or default_repeats(w.kind, settings.quick), device)
+    if row_matches(w.row_id, settings.profile):
+        for name, fn in fns.items():
+            log(f"profile of {w.row_id}, {name}:\n{profile_table(fn, device)}")
     row = Row(w, times["ours"], times["native"], w.batch * (w.new_tokens if w.kind == "decode" else w.seq_len),
               workload_flops(config, w), peak_ours=peaks["ours"], peak_native=peaks["native"])
     if w.kind == "decode":
@@ -467,8 +489,13 @@ def measure(w, shape_overrides, settings, device, log):
         assert row.kv_bytes == row.kv_expected, (
             f"{w.row_id}: KV cache holds {row.kv_bytes} bytes, expected {row.kv_expected} "
             f"(2 x layers x tokens x kv_heads x head_dim x dtype bytes)")
+    notes = []
+    if w.kind == "decode":  # same length either way (min_new_tokens); same tokens says both computed alike
+        same = torch.equal(outputs["ours"].sequences, outputs["native"].sequences)
+        notes.append("same tokens as native" if same else "tokens differ from native (near-tie logits)")
     if config.use_moe:
-        row.note = f"native experts: {native.config._experts_implementation}"
+        notes.append(f"native experts: {native.config._experts_implementation}")
+    row.note = "; ".join(notes)
     log(f"{w.row_id}: ours {row.tokens_per_second(row.ours_seconds):.1f} tok/s, native "
         f"{row.tokens_per_second(row.native_seconds):.1f} tok/s, ratio {row.ratio:.3f}")
     return row
@@ -572,16 +599,18 @@ def intra_op_threads(count):
         torch.set_num_threads(previous)
 
 
-def run_benchmark(settings, log=print):
+def run_benchmark(settings, log=print, on_row=None):
+    """Measure every selected row; `on_row(report)` sees the report so far after each row (a run that is cut
+    short can still leave its table behind)."""
     device = resolve_device(settings.device)
     # Quick mode's tiny ops gain nothing from a second CPU thread, and on a shared machine every multi-threaded
     # op can stall on a descheduled worker: one thread keeps the smoke test fast.
     threads = 1 if settings.quick and device.type == "cpu" else torch.get_num_threads()
     with intra_op_threads(threads):
-        return _run(settings, device, log)
+        return _run(settings, device, log, on_row)
 
 
-def _run(settings, device, log):
+def _run(settings, device, log, on_row):
     started = time.perf_counter()
     workloads = select_workloads(default_workloads(settings.quick, device.type), settings.rows)
     shapes = model_shapes(settings.quick)
@@ -589,7 +618,12 @@ def _run(settings, device, log):
     size = 256 if settings.quick else (8192 if device.type == "cuda" else 2048)
     ceilings = {name: matmul_ceiling(device, dtype, size) for name, dtype in DTYPES.items()}
     log("matmul ceiling: " + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in ceilings.items()))
-    rows = [measure(w, copy.deepcopy(shapes[w.shape]), settings, device, log) for w in workloads]
+    rows = []
+    for w in workloads:
+        rows.append(measure(w, copy.deepcopy(shapes[w.shape]), settings, device, log))
+        if on_row and len(rows) < len(workloads):
+            on_row(BenchmarkReport(dict(details, partial=f"{len(rows)} of {len(workloads)} rows"), ceilings,
+                                   list(rows), settings))
     # Measured again at the end and the better kept: a ceiling is the best the machine did in this run.
     ceilings = {name: max(value, matmul_ceiling(device, DTYPES[name], size)) for name, value in ceilings.items()}
     if hasattr(os, "getloadavg"):

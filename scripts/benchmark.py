@@ -24,6 +24,8 @@ def main(argv=None):
                         help="torch.compile the static-cache decode row (auto: on for cuda only)")
     parser.add_argument("--attn", default="sdpa", help="attention kernel for both models, e.g. flash_attention_2")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--profile", nargs="*", default=[],
+                        help="row ids or glob patterns: print torch.profiler's op table for ours and native")
     parser.add_argument("--output", default="docs/benchmarks.md", help="markdown file to write ('-' = none)")
     args = parser.parse_args(argv)
 
@@ -31,12 +33,19 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     settings = BenchmarkSettings(device=args.device, quick=args.quick, rows=args.rows, repeats=args.repeats,
                                  warmup=args.warmup, compile=args.compile, attn_implementation=args.attn,
+                                 profile=args.profile,
                                  command=" ".join(["python scripts/benchmark.py", *(argv or sys.argv[1:])]))
-    report = run_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+
+    def write(report):
+        if args.output != "-":
+            with open(args.output, "w") as out:
+                out.write(report.markdown())
+
+    # The file is rewritten after every row, so a run stopped early still leaves the rows it finished.
+    report = run_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True), on_row=write)
+    write(report)
     print(report.table())
     if args.output != "-":
-        with open(args.output, "w") as out:
-            out.write(report.markdown())
         print(f"wrote {args.output}", file=sys.stderr)
 
 

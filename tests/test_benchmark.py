@@ -4,8 +4,8 @@ pairing and the KV-cache byte count. No timing is asserted: the machine is share
 import pytest
 import torch
 
-from minimind.benchmark import (TABLE_COLUMNS, build_pair, default_workloads, matmul_params_per_token,
-                                model_shapes, select_workloads)
+from minimind.benchmark import (TABLE_COLUMNS, BenchmarkSettings, build_pair, default_workloads,
+                                matmul_params_per_token, model_shapes, run_benchmark, select_workloads)
 
 from conftest import load_script
 
@@ -47,6 +47,7 @@ def test_kv_cache_bytes_equal_the_formula_on_every_decode_row(quick_run):
     for cells in decode_rows:
         measured, sign, expected = cells["KV cache bytes (= formula)"].split()
         assert sign == "=" and measured == expected and int(measured.replace(",", "")) > 0
+        assert cells["notes"].split(";")[0] in ("same tokens as native", "tokens differ from native (near-tie logits)")
 
 
 @pytest.mark.parametrize("shape", ["64M", "moe-top2"])
@@ -69,3 +70,17 @@ def test_rows_filter_takes_globs_and_rejects_unknown_rows():
         "decode-static-b1-64M", "decode-static-b8-64M", "decode-static-compile-b1-64M"}
     with pytest.raises(ValueError, match="match no row"):
         select_workloads(rows, ["no-such-row"])
+
+
+def test_profile_logs_op_tables_and_a_partial_report_follows_each_row():
+    logged, partial = [], []
+    settings = BenchmarkSettings(device="cpu", quick=True, rows=["decode-dynamic-b1-64M", "prefill-*"],
+                                 profile=["prefill-*"])
+    report = run_benchmark(settings, log=logged.append, on_row=partial.append)
+    assert [w.workload.row_id for w in report.rows] == ["prefill-512-64M", "decode-dynamic-b1-64M"]
+    # After the first of the two rows; the last row's report is the final one.
+    assert [len(r.rows) for r in partial] == [1] and "- partial: 1 of 2 rows" in partial[0].markdown()
+    profiles = [line for line in logged if line.startswith("profile of")]
+    assert [p.split(":")[0] for p in profiles] == ["profile of prefill-512-64M, ours",
+                                                   "profile of prefill-512-64M, native"]
+    assert all("aten::mm" in p and "# of Calls" in p for p in profiles)

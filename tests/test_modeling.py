@@ -1,6 +1,7 @@
 """The model against references: the seed's toy numbers, cached vs full prefix, eager vs sdpa,
 transformers' Qwen3 / Qwen3-MoE with the same weights, parameter counts, bad input."""
 
+import inspect
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from conftest import tiny_config, tiny_model
 from configuration_minimind import MiniMindConfig
 from minimind.export import to_qwen3_model
 from modeling_minimind import (
+    _CACHE_FIELD,
     MiniMindAttention,
     MiniMindDecoderLayer,
     MiniMindForCausalLM,
@@ -135,7 +137,8 @@ def test_past_key_values_keyword_is_the_same_cache():
     with torch.no_grad():
         full = model(ids).logits[:, -1]
         first = model(ids[:, :5], use_cache=True)
-        last = model(ids[:, 5:], past_key_values=first.cache, use_cache=True).logits[:, -1]
+        cache = getattr(first, _CACHE_FIELD)  # `cache` in later 5.x, `past_key_values` in 5.17
+        last = model(ids[:, 5:], past_key_values=cache, use_cache=True).logits[:, -1]
     torch.testing.assert_close(last, full, atol=1e-5, rtol=1e-5)
 
 
@@ -251,15 +254,6 @@ def test_flash_attention_2_without_the_package_is_a_clear_error():
         MiniMindForCausalLM(tiny_config(attn_implementation="flash_attention_2"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash_attention_2 needs a CUDA GPU")
-def test_flash_attention_2_matches_sdpa_on_gpu():
-    pytest.importorskip("flash_attn")
-    fa = tiny_model(std=0.1, attn_implementation="flash_attention_2").cuda().bfloat16()
-    sd = tiny_model(std=0.1, attn_implementation="sdpa").cuda().bfloat16()
-    ids = torch.randint(1, 97, (2, 16), device="cuda")
-    torch.testing.assert_close(fa(ids).logits, sd(ids).logits, atol=2e-2, rtol=2e-2)
-
-
 # ------------------------------------------------------------------------------------------------------
 # Parity with transformers' Qwen3 / Qwen3-MoE
 # ------------------------------------------------------------------------------------------------------
@@ -318,6 +312,21 @@ def test_moe_logits_and_aux_loss_equal_qwen3_moe(top_k):
 # ------------------------------------------------------------------------------------------------------
 # Mixture of experts
 # ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_block_under_bf16_autocast_equals_qwen3_moe_bit_for_bit(top_k):
+    # The weighted expert outputs add up in the residual stream's dtype (fp32 under autocast), as Qwen3-MoE's
+    # eager experts do; summing them in bf16 instead moves the output by about 1e-2.
+    ours = tiny_model(std=0.1, use_moe=True, num_experts=4, num_experts_per_tok=top_k)
+    theirs = to_qwen3_model(ours)
+    theirs.set_experts_implementation("eager")  # the same per-expert matmuls as ours; grouped_mm rounds otherwise
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = ours.model.layers[0].mlp(x)
+        expected = theirs.model.layers[0].mlp(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
 
 def test_moe_block_equals_plain_per_token_routing():
     config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2)
@@ -482,7 +491,9 @@ def test_continuous_batching_with_paged_cache_equals_generate():
     prompts = [[5, 17, 42, 8], [7, 3, 9], [1, 2, 3, 4, 5, 6]]
     config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
     # A small paged cache: sized from free memory by default, which on a CPU box means gigabytes to set up.
-    paging = ContinuousBatchingConfig(page_size=16, num_blocks=8, max_batch_tokens=64)
+    # Earlier 5.x releases (5.17) call the page size `block_size`.
+    size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+    paging = ContinuousBatchingConfig(**{size_name: 16}, num_blocks=8, max_batch_tokens=64)
     results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging)
     by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
     for prompt in prompts:

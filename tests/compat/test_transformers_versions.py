@@ -1,4 +1,4 @@
-"""The model files under whichever transformers is installed: 5.x in the main leg, 4.57 in `.ci/compat-4.57.sh`.
+"""The model files under whichever transformers is installed: 5.x in the main leg, 5.17 and 4.57 in `.ci/compat.sh`.
 
 Only public APIs both versions share. Everything is loaded back through the Auto classes with
 trust_remote_code, i.e. from the copies of the model files inside the checkpoint, as a user would.
@@ -13,8 +13,6 @@ import torch
 import transformers
 from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
-
-MAJOR = int(transformers.__version__.split(".")[0])
 
 
 @pytest.fixture(scope="module")
@@ -70,9 +68,10 @@ def test_left_padded_batch_generates_like_single_prompts(reloaded):
 def training_args(output_dir, **overrides):
     args = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
                 report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True)
-    # 5.x renamed gradient checkpointing to activation checkpointing (the old names still work, with a warning).
-    # transformers 4.x defaults to reentrant checkpointing, which gives frozen-base LoRA no gradients.
-    name = "activation_checkpointing" if MAJOR >= 5 else "gradient_checkpointing"
+    # Later 5.x releases renamed gradient checkpointing to activation checkpointing (the old names still work, with
+    # a warning). transformers 4.x defaults to reentrant checkpointing, which gives frozen-base LoRA no gradients.
+    fields = TrainingArguments.__dataclass_fields__
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     args.update({name: True, f"{name}_kwargs": {"use_reentrant": False}})
     args.update(overrides)
     return TrainingArguments(**args)
