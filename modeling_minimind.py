@@ -11,6 +11,7 @@ This file depends on torch and transformers alone and runs under transformers 5.
 into every saved checkpoint. Where the two versions differ, the branch says so.
 """
 
+import functools
 import inspect
 import math
 
@@ -42,8 +43,12 @@ def _kernel_writes_cache(cache):
     """True for the paged cache of continuous batching in 4.57 and earlier 5.x (5.17): the paged attention kernel
     writes it (its update() takes read/write indices), so the layer hands it over instead of updating it. Later
     5.x paged caches are updated by the layer, like every `Cache`."""
-    return (cache is not None and not isinstance(cache, Cache)
-            and "read_index" in inspect.signature(cache.update).parameters)
+    return cache is not None and not isinstance(cache, Cache) and _update_takes_indices(type(cache))
+
+
+@functools.cache
+def _update_takes_indices(cache_class):  # once per class: this runs in every layer of every decoding step
+    return "read_index" in inspect.signature(cache_class.update).parameters
 
 
 # ----------------------------------------------------------------------------------------------------------
