@@ -33,8 +33,8 @@ except ImportError:  # the repo root on sys.path
 
 # transformers 5 renamed the cache keyword and output field from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-# create_causal_mask's keywords moved across versions: 4.57 takes `cache_position` and `past_key_values`, 5.0-5.2x
-# `past_key_values` alone, later 5.x `cache`.
+# create_causal_mask's keywords moved across versions: 4.57 takes `cache_position` and `past_key_values`, earlier
+# 5.x (5.17) `past_key_values` alone, later 5.x (5.24) `cache`.
 _MASK_PARAMS = inspect.signature(create_causal_mask).parameters
 _MASK_CACHE_KEYWORD = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
 
