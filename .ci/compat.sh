@@ -2,12 +2,15 @@
 # Extra test legs under other transformers releases, each in its own cached virtualenv (.venv-<leg>):
 #
 #   .ci/compat.sh 4.57   the model files (tests/compat) under 4.57.x, the oldest release setup.py admits
-#   .ci/compat.sh 5.17   the whole suite under 5.17.x: the release on the lent GPU machines, and a 5.x from before
-#                        the keyword renames (past_key_values -> cache, block_size -> page_size) of later ones
+#   .ci/compat.sh 5.17   the whole suite under 5.17.x: the release on CUDA images with transformers 5.17, and a
+#                        5.x from before the keyword renames (past_key_values -> cache, block_size -> page_size)
 #
 # 4.57 needs huggingface_hub<1.0 and tokenizers<0.23 (and a datasets that accepts that hub), which cannot
-# live next to 5.x. Each venv sees the system site-packages for everything else, torch included (never
-# reinstalled: the check below fails if it was). Delete a venv to start over.
+# live next to 5.x. Everything else, torch included, comes from the environment that runs this script: a
+# plain interpreter, a venv, a conda or uv environment alike. The leg's venv holds only the pinned packages,
+# and a .pth file appends the running environment's site directories behind them, so the pins shadow the
+# running versions and the rest is shared (torch is never reinstalled: the check below fails if it was).
+# Delete a venv to start over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,23 +23,50 @@ case "$LEG" in
 esac
 VENV=".venv-$LEG"
 
-if [ ! -x "$VENV/bin/python" ]; then
-  # --without-pip: the system pip installs into it, and no venv-local setuptools shadows the system one.
-  "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
+# The running environment: its interpreter (the leg's venv is made from the same base Python) and every site
+# directory on its path, in order (a venv's own, then the ones it inherits, the user site included).
+mapfile -t PARENT < <("$PYTHON" - <<'PY'
+import os, site, sys
+print(sys._base_executable if hasattr(sys, "_base_executable") else sys.executable)
+print(f"{sys.version_info.major}.{sys.version_info.minor}")
+dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+dirs += [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+for d in dict.fromkeys(os.path.realpath(d) for d in dirs):
+    if os.path.isdir(d):
+        print(d)
+PY
+)
+BASE_PYTHON="${PARENT[0]}" PY_VERSION="${PARENT[1]}" SITE_DIRS=("${PARENT[@]:2}")
+MARKER="layout 2, python $PY_VERSION: ${SPECS[*]}"
+
+if [ "$(cat "$VENV/.installed" 2>/dev/null)" != "$MARKER" ]; then
+  rm -rf "$VENV"  # an older layout or another Python: start over
+  # --without-pip: the running environment's pip installs into it (pip --python), nothing venv-local shadows it.
+  "$BASE_PYTHON" -m venv --without-pip "$VENV"
   echo '*' > "$VENV/.gitignore"  # the cache never shows up in `git status`
 fi
-if [ "$(cat "$VENV/.installed" 2>/dev/null)" != "${SPECS[*]}" ]; then  # skip pip's checks when cached
-  "$PYTHON" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check "${SPECS[@]}"
-  echo "${SPECS[*]}" > "$VENV/.installed"
+LEG_SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+# Rewritten on every run: the same checkout may be tested from a different environment next time.
+for dir in "${SITE_DIRS[@]}"; do echo "import site; site.addsitedir('$dir')"; done \
+  > "$LEG_SITE/zz-parent-environment.pth"
+if [ "$(cat "$VENV/.installed" 2>/dev/null)" != "$MARKER" ]; then  # skip pip's checks when cached
+  if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+    "$PYTHON" -m pip --python "$VENV/bin/python" install -q --disable-pip-version-check "${SPECS[@]}"
+  elif command -v uv >/dev/null; then  # a uv environment has no pip of its own
+    uv pip install -q --python "$VENV/bin/python" "${SPECS[@]}"
+  else
+    "$VENV/bin/python" -m ensurepip -q && "$VENV/bin/python" -m pip install -q "${SPECS[@]}"
+  fi
+  echo "$MARKER" > "$VENV/.installed"
 fi
 
-# The venv must shadow the system transformers stack but share the system torch.
-"$VENV/bin/python" - "$LEG" "$("$PYTHON" -c 'import torch; print(torch.__file__)')" <<'PY'
-import sys
+# The venv must shadow the running transformers stack but share the running torch.
+"$VENV/bin/python" - "$LEG" "$("$PYTHON" -c 'import os, torch; print(os.path.realpath(torch.__file__))')" <<'PY'
+import os, sys
 import huggingface_hub, tokenizers, torch, transformers
-leg, system_torch = sys.argv[1:]
+leg, parent_torch = sys.argv[1:]
 assert transformers.__version__.startswith(leg + "."), f"transformers {transformers.__version__} is not {leg}.x"
-assert torch.__file__ == system_torch, f"torch was reinstalled into the venv: {torch.__file__}"
+assert os.path.realpath(torch.__file__) == parent_torch, f"torch was reinstalled into the venv: {torch.__file__}"
 print(f"compat leg: transformers {transformers.__version__}, huggingface_hub {huggingface_hub.__version__}, "
       f"tokenizers {tokenizers.__version__}, torch {torch.__version__} (shared)")
 PY
