@@ -1,19 +1,18 @@
 """MiniMind: a Llama/Qwen3-family decoder as a transformers model.
 
 Reads top to bottom: RoPE -> RMSNorm -> attention -> SwiGLU MLP / mixture of experts -> decoder layer ->
-backbone -> causal-LM head. State-dict names equal transformers' Qwen3ForCausalLM (and upstream MiniMind's
-for the experts), so weights move between the three with strict key matching.
+backbone -> causal-LM head. State-dict names equal transformers' Qwen3ForCausalLM (and upstream
+MiniMind's for the experts), so weights move between the three with strict key matching.
 
 Shapes: B batch, T new tokens, S = cached + new tokens, D hidden, H query heads, K key/value heads,
-Dh head_dim, E experts, N = B*T tokens, V vocabulary.
+Dh head_dim, E experts, k experts per token, N = B*T tokens, V vocabulary.
 
-This file depends on torch and transformers alone and runs under transformers 5.x and 4.57: it is copied
-into every saved checkpoint. Where the two versions differ, the branch says so.
+This file depends on torch and transformers alone and runs under transformers 5.x and 4.57: it is
+copied into every saved checkpoint. Every difference between those releases lives in the first section.
 """
 
 import functools
 import inspect
-import math
 
 import torch
 import torch.nn.functional as F
@@ -24,95 +23,122 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
 
 try:  # inside a checkpoint (trust_remote_code) or the installed package
     from .configuration_minimind import MiniMindConfig
 except ImportError:  # the repo root on sys.path
     from configuration_minimind import MiniMindConfig
 
-# transformers 5 renamed the cache keyword and output field from `past_key_values` to `cache`.
+logger = logging.get_logger(__name__)
+
+
+# ----------------------------------------------------------------------------------------------------
+# transformers releases: every version difference, in one place (dropping a release = deleting a branch)
+# ----------------------------------------------------------------------------------------------------
+
+# 5.x renamed the cache keyword and output field from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
-# create_causal_mask's keywords moved across versions: 4.57 takes `cache_position` and `past_key_values`, earlier
-# 5.x (5.17) `past_key_values` alone, later 5.x (5.24) `cache`.
+
+# create_causal_mask's cache keyword: `cache` in 5.24+, `past_key_values` in 5.17 and 4.57 (which also
+# wants `cache_position`).
 _MASK_PARAMS = inspect.signature(create_causal_mask).parameters
 _MASK_CACHE_KEYWORD = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
 
 
+def _mask_kwargs(cache, position_ids, cache_position):
+    kwargs = {_MASK_CACHE_KEYWORD: cache, "position_ids": position_ids}
+    if "cache_position" in _MASK_PARAMS:
+        kwargs["cache_position"] = cache_position
+    return kwargs
+
+
+if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
+
+    def _attention_function(name, eager):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
+
+else:  # 4.57: no get_interface and no "eager" entry
+
+    def _attention_function(name, eager):
+        return eager if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+
+
+try:  # 5.x: output capturing hooks
+    from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+except ImportError:  # 4.57: the same contract under its older name
+    from transformers.utils.generic import OutputRecorder
+    from transformers.utils.generic import check_model_inputs as capture_outputs
+
+try:  # 5.x: the library's expert kernels (batched_mm, grouped_mm), chosen by `experts_implementation`
+    from transformers.integrations.moe import use_experts_implementation
+except ImportError:  # 4.57: MiniMind's own dispatch only
+
+    def use_experts_implementation(experts_class):
+        return experts_class
+
+
 def _kernel_writes_cache(cache):
-    """True for the paged cache of continuous batching in 4.57 and earlier 5.x (5.17): the paged attention kernel
-    writes it (its update() takes read/write indices), so the layer hands it over instead of updating it. Later
-    5.x paged caches are updated by the layer, like every `Cache`."""
+    """True for the paged cache of continuous batching in 4.57 and 5.17: their paged attention kernel writes
+    it (its update() takes read/write indices), so the layer hands it over instead of updating it."""
     return cache is not None and not isinstance(cache, Cache) and _update_takes_indices(type(cache))
 
 
 @functools.cache
-def _update_takes_indices(cache_class):  # once per class: this runs in every layer of every decoding step
+def _update_takes_indices(cache_class):  # once per class: this runs in every layer of every step
     return "read_index" in inspect.signature(cache_class.update).parameters
 
 
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Rotary position embedding
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 
-def compute_rope_inv_freq(config, device=None):
-    """Inverse frequencies [Dh/2] (fp32) and the cos/sin scale for the config's RoPE type.
-
-    YaRN follows transformers' own YaRN init exactly (same correction range, ramp and attention factor), so
-    a YaRN checkpoint gives the same logits here and in Qwen3ForCausalLM.
-    """
-    rope = config.rope_parameters
-    base, dim = rope["rope_theta"], config.head_dim
+def compute_default_rope_parameters(config, device=None, **kwargs):
+    """Plain RoPE: inverse frequencies theta^(-2i/Dh) [Dh/2] in fp32, and no cos/sin scaling."""
+    base, dim = config.rope_parameters["rope_theta"], config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / dim
-    inv_freq = 1.0 / (base ** exponents)
-    rope_type = rope["rope_type"]
+    return 1.0 / (base ** exponents), 1.0
+
+
+def compute_rope_parameters(config, device=None, seq_len=None, **kwargs):
+    """(inv_freq [Dh/2], attention scaling) for the config's rope type. The scaled types (linear, dynamic,
+    yarn, longrope, llama3) use transformers' own initialisation, so they equal Qwen3's exactly.
+    `seq_len` is the length a dynamic type has reached."""
+    rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
-        return inv_freq, 1.0
-    factor = rope["factor"]
-    if rope_type == "linear":
-        return inv_freq / factor, 1.0
-
-    # YaRN: keep high frequencies (fast rotations) as they are, interpolate low ones by `factor`, and blend
-    # linearly over the dimensions in between.
-    original_max = rope["original_max_position_embeddings"]
-    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-
-    def dim_for_rotations(num_rotations):
-        return dim * math.log(original_max / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_for_rotations(beta_fast), dim_for_rotations(beta_slow)
-    if rope.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
-
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    return inv_freq, float(attention_factor)
+        return compute_default_rope_parameters(config, device)
+    if seq_len is None:
+        return ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, device, seq_len=seq_len)
 
 
 class MiniMindRotaryEmbedding(nn.Module):
-    """cos/sin for given positions, computed on the fly: no table to outgrow and nothing to save."""
+    """cos/sin for given positions, computed on the fly: no table to outgrow, nothing to save.
+
+    `dynamic` and `longrope` recompute their frequencies once a sequence passes the trained length
+    (transformers' `dynamic_rope_update` reads the attributes set here)."""
 
     def __init__(self, config):
         super().__init__()
-        inv_freq, self.attention_scaling = compute_rope_inv_freq(config)
-        # Non-persistent: `from_pretrained` leaves it uninitialised, so `_init_weights` recomputes it.
+        self.config = config
+        self.rope_type = config.rope_parameters["rope_type"]
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_init_fn = compute_rope_parameters  # what 4.57's dynamic_rope_update calls
+        inv_freq, self.attention_scaling = compute_rope_parameters(config)
+        # Non-persistent: `from_pretrained` leaves them uninitialised, so `_init_weights` recomputes them.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
     @torch.no_grad()
+    @dynamic_rope_update
     def forward(self, x, position_ids):
         # position_ids [B, T] -> freqs [B, T, Dh/2], in fp32 whatever the model dtype
         freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, Dh]
-        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
@@ -127,9 +153,9 @@ def apply_rotary_pos_emb(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Norm, attention, feed-forward
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 
 class MiniMindRMSNorm(nn.Module):
     def __init__(self, hidden_size, eps=1e-6):
@@ -155,11 +181,15 @@ def repeat_kv(x, n_rep):
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Explicit attention: q [B, H, T, Dh], k/v [B, K, S, Dh], additive mask [B, 1, T, S] -> [B, T, H, Dh]."""
-    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    """Explicit attention: q [B, H, T, Dh], k/v [B, K, S, Dh], mask [B, 1, T, S] -> [B, T, H, Dh].
+
+    The mask is additive (0 / -inf) or boolean (True = attend), as transformers' mask utilities and
+    custom 4-D masks give it."""
+    key = repeat_kv(key, module.num_key_value_groups)
+    value = repeat_kv(value, module.num_key_value_groups)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling  # [B, H, T, S]
     if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:  # True = attend
+        if attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros_like(attention_mask, dtype=scores.dtype).masked_fill(
                 ~attention_mask, torch.finfo(scores.dtype).min)
         scores = scores + attention_mask
@@ -178,54 +208,51 @@ class MiniMindAttention(nn.Module):
         self.config = config
         self.layer_idx = layer_idx
         self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = config.num_key_value_heads
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
         if config.qk_norm:
             self.q_norm = MiniMindRMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = MiniMindRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, cache_position=None,
-                **kwargs):
-        batch, q_len, _ = hidden_states.shape  # [B, T, D]
-        q = self.q_norm(self.q_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(hidden_states).view(batch, q_len, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(batch, q_len, -1, self.head_dim).transpose(1, 2)
-        # q [B, H, T, Dh], k/v [B, K, T, Dh]
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
+                cache_position=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]  # [B, T]
+        hidden_shape = (*input_shape, -1, self.head_dim)  # -1: the heads (this rank's, under tensor parallelism)
+        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # [B, H, T, Dh]
+        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # [B, K, T, Dh]
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, K, T, Dh]
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+
         if _kernel_writes_cache(cache):
             kwargs["cache"] = cache
         elif cache is not None:
-            # The attention kwargs travel with the update: the paged cache of continuous batching fills in what
-            # its kernel needs, 4.57's StaticCache reads cache_position, the other caches ignore them.
+            # The attention kwargs travel with the update: the paged cache of continuous batching fills in
+            # what its kernel needs, 4.57's StaticCache reads cache_position, the other caches ignore them.
             kwargs["cache_position"] = cache_position
             k, v = cache.update(k, v, self.layer_idx, kwargs)  # [B, K, S, Dh]
             del kwargs["cache_position"]
 
-        if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
-            attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                self.config._attn_implementation, eager_attention_forward)
-        else:  # transformers 4.57 has no get_interface and no "eager" entry
-            attention_interface = (eager_attention_forward if self.config._attn_implementation == "eager"
-                                   else ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation])
+        attention_interface = _attention_function(self.config._attn_implementation, eager_attention_forward)
         out, weights = attention_interface(
             self, q, k, v, attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             **kwargs,
         )  # out [B, T, H, Dh]
-        return self.o_proj(out.reshape(batch, q_len, -1)), weights  # [B, T, D]
+        out = self.o_proj(out.reshape(*input_shape, -1))  # [B, T, D]
+        return out, weights
 
 
 class MiniMindMLP(nn.Module):
@@ -243,54 +270,84 @@ class MiniMindMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MiniMindMoE(nn.Module):
-    """Top-k mixture of SwiGLU experts behind a linear router.
-
-    Tokens are dispatched grouped per expert: the N*k (token, expert) assignments are sorted by expert once,
-    each expert runs one matmul over its contiguous slice, and the weighted results are scattered back.
-    """
+class MiniMindTopKRouter(nn.Module):
+    """Linear router: x [N, D] -> router logits [N, E], top-k weights [N, k] (fp32), expert ids [N, k]."""
 
     def __init__(self, config):
         super().__init__()
-        self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            MiniMindMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
-    def route(self, x):
-        """x [N, D] -> router logits [N, E], top-k weights [N, k] (fp32), top-k expert ids [N, k]."""
-        router_logits = self.gate(x)
+    def forward(self, x):
+        router_logits = F.linear(x, self.weight)
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
-            # With k=1 the renormalised weight is exactly 1 and would carry no gradient to the router (so it
+            # With k=1 the renormalised weight is exactly 1 and would carry no gradient to the router (it
             # would learn from the aux loss alone). Dividing by the detached value keeps the value at 1 (the
             # same numbers as Qwen3-MoE) and lets the LM loss reach the router through p / stopgrad(p).
             denom = weights.sum(dim=-1, keepdim=True) if self.top_k > 1 else weights.detach()
             weights = weights / denom
         return router_logits, weights, experts
 
-    def forward(self, hidden_states):
-        batch, seq, dim = hidden_states.shape
-        x = hidden_states.reshape(-1, dim)  # [N, D]
-        router_logits, weights, experts = self.route(x)
 
-        flat_experts = experts.reshape(-1)  # [N*k]
+@use_experts_implementation
+class MiniMindExperts(nn.ModuleList):
+    """The experts, one SwiGLU MLP each (state-dict names `experts.<e>.{gate,up,down}_proj.weight`).
+
+    The default dispatch sorts the N*k (token, expert) assignments by expert once, runs each expert as
+    one matmul over its contiguous slice and scatters the weighted results back. `experts_implementation`
+    = "batched_mm" / "grouped_mm" runs transformers' kernels instead (no host sync, so they compile),
+    over the stacked weights below."""
+
+    def __init__(self, config):
+        super().__init__(MiniMindMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        self.num_experts = config.num_experts
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    @property
+    def gate_up_proj(self):  # [E, 2I, D], the layout transformers' expert kernels read
+        gate = torch.stack([expert.gate_proj.weight for expert in self])
+        up = torch.stack([expert.up_proj.weight for expert in self])
+        return torch.cat([gate, up], dim=1)
+
+    @property
+    def down_proj(self):  # [E, D, I]
+        return torch.stack([expert.down_proj.weight for expert in self])
+
+    def forward(self, x, top_k_index, top_k_weights):
+        """x [N, D], expert ids and weights [N, k] -> the weighted sum of each token's experts [N, D]."""
+        top_k = top_k_index.shape[-1]
+        flat_experts = top_k_index.reshape(-1)  # [N*k]
         order = flat_experts.argsort(stable=True)  # assignments grouped by expert
-        token_ids = order // self.top_k  # [N*k], which token each sorted assignment belongs to
+        token_ids = order // top_k  # [N*k]: the token each sorted assignment belongs to
         # One host sync per layer for the split sizes: the price of running each expert on a dense slice.
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         grouped = x[token_ids]  # [N*k, D]
-        # Without autograd, experts that got no tokens are skipped (a decode step leaves most of them idle); with
-        # it, every expert runs so that each one gets a (zero) gradient, as optimisers and DDP expect.
-        expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self.experts, grouped.split(counts))
-                                if len(chunk) or torch.is_grad_enabled()])
-        expert_out = expert_out * weights.reshape(-1)[order, None].to(expert_out.dtype)
-        # Summed in the residual stream's dtype: under bf16 autocast the top-k outputs add up in fp32, as in Qwen3-MoE.
-        out = x.new_zeros(x.shape).index_add_(0, token_ids, expert_out.to(x.dtype))  # [N, D]
-        return out.view(batch, seq, dim), router_logits
+        # Without autograd, experts that got no tokens are skipped (a decode step leaves most of them
+        # idle); with it, every expert runs so that each gets a (zero) gradient, as optimisers and DDP expect.
+        expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self, grouped.split(counts))
+                                if len(chunk) or torch.is_grad_enabled()])  # [N*k, D]
+        expert_out = expert_out * top_k_weights.reshape(-1)[order, None].to(expert_out.dtype)
+        # Summed in the residual stream's dtype: under bf16 autocast the top-k outputs add up in fp32, as in
+        # Qwen3-MoE.
+        return x.new_zeros(x.shape).index_add_(0, token_ids, expert_out.to(x.dtype))
+
+
+class MiniMindMoE(nn.Module):
+    """Top-k mixture of SwiGLU experts behind a linear router."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate = MiniMindTopKRouter(config)
+        self.experts = MiniMindExperts(config)
+
+    def forward(self, hidden_states):
+        batch, seq, dim = hidden_states.shape
+        x = hidden_states.reshape(-1, dim)  # [N, D]
+        _, weights, experts = self.gate(x)  # the logits reach the aux loss through the output recorder
+        return self.experts(x, experts, weights).view(batch, seq, dim)
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, attention_mask=None):
@@ -326,40 +383,57 @@ class MiniMindDecoderLayer(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                 cache_position=None, **kwargs):
-        attn_out, attn_weights = self.self_attn(
+        attn_out, _ = self.self_attn(
             self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache=cache,
             cache_position=cache_position, **kwargs)
         hidden_states = hidden_states + attn_out  # [B, T, D]
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden_states))
-        router_logits = None
-        if isinstance(mlp_out, tuple):
-            mlp_out, router_logits = mlp_out
-        return hidden_states + mlp_out, attn_weights, router_logits  # [B, T, D]
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))  # [B, T, D]
 
 
-def _check_mask_shape(attention_mask, batch, past_seen, q_len):
+# ----------------------------------------------------------------------------------------------------
+# Input checks: bad input fails here with a message naming the fix, not later as garbage
+# ----------------------------------------------------------------------------------------------------
+
+def check_token_ids(input_ids, vocab_size, past_seen):
+    # A one-token step that extends a cache feeds back the model's own prediction: skipping the check
+    # there off the CPU keeps decoding free of a per-step host sync. Prompts are always checked.
+    extends_cache = not isinstance(past_seen, int) or past_seen > 0  # a tensor for StaticCache
+    decode_step = input_ids.shape[1] == 1 and input_ids.device.type != "cpu" and extends_cache
+    if decode_step or torch.compiler.is_compiling():
+        return
+    out_of_range = (input_ids < 0) | (input_ids >= vocab_size)
+    if out_of_range.any():
+        bad = sorted(set(input_ids[out_of_range].tolist()))[:8]
+        raise ValueError(
+            f"input_ids contain token id(s) {bad} outside the vocabulary [0, {vocab_size}). Fix: tokenize "
+            f"with this model's tokenizer, or resize_token_embeddings() after adding tokens.")
+
+
+def check_mask_shape(attention_mask, batch, num_heads, past_seen, q_len):
     """A 2-D mask has one column per token of the whole sequence (cached ones included); a 4-D one is
-    [B or 1, 1, T, key length]. `past_seen` is a tensor (length unknown here) for StaticCache."""
+    [B or 1, 1 or H, T, key length]. `past_seen` is a tensor (length unknown here) for StaticCache."""
     known_len = past_seen + q_len if isinstance(past_seen, int) else None
+    shape = tuple(attention_mask.shape)
     if attention_mask.dim() == 2:
-        ok = attention_mask.shape[0] == batch and (
-            attention_mask.shape[1] == known_len if known_len is not None else attention_mask.shape[1] >= q_len)
+        length_ok = shape[1] == known_len if known_len is not None else shape[1] >= q_len
+        ok = shape[0] == batch and length_ok
         expected = f"[{batch}, {known_len if known_len is not None else 'past + new tokens'}]"
     elif attention_mask.dim() == 4:
-        ok = attention_mask.shape[0] in (1, batch) and attention_mask.shape[2] == q_len
+        ok = shape[0] in (1, batch) and shape[1] in (1, num_heads) and shape[2] == q_len
         expected = f"[{batch}, 1, {q_len}, key length]"
     else:
-        ok, expected = False, f"[{batch}, past + new tokens] (2-D) or [{batch}, 1, {q_len}, key length] (4-D)"
+        ok = False
+        expected = f"[{batch}, past + new tokens] (2-D) or [{batch}, 1, {q_len}, key length] (4-D)"
     if not ok:
         raise ValueError(
-            f"attention_mask has shape {list(attention_mask.shape)} but these inputs need {expected} "
-            f"(batch {batch}, {q_len} new tokens, {past_seen} cached). Fix: pass one mask column per "
-            f"token of the full sequence, cached tokens included.")
+            f"attention_mask has shape {list(shape)} but these inputs need {expected} (batch {batch}, "
+            f"{q_len} new tokens, {past_seen} cached). Fix: pass one mask column per token of the full "
+            f"sequence, cached tokens included.")
 
 
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 # Models
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
 
 class MiniMindPreTrainedModel(PreTrainedModel):
     config_class = MiniMindConfig
@@ -372,7 +446,22 @@ class MiniMindPreTrainedModel(PreTrainedModel):
     _supports_flash_attn_2 = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    _can_compile_fullgraph = False  # the MoE dispatch has data-dependent split sizes
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(MiniMindTopKRouter, index=0),
+        "hidden_states": MiniMindDecoderLayer,
+        "attentions": MiniMindAttention,
+    }
+
+    @property
+    def _can_compile_fullgraph(self):
+        # Dense models have no data-dependent shapes. The default expert dispatch reads its split sizes on
+        # the host; transformers' batched_mm / grouped_mm kernels do not.
+        experts = getattr(self.config, "_experts_implementation", None)
+        return not self.config.use_moe or experts in ("batched_mm", "grouped_mm")
+
+    def get_correct_experts_implementation(self, requested_experts):
+        # MiniMind's sorted dispatch ("eager") is the default: on CPU it beats grouped_mm.
+        return super().get_correct_experts_implementation(requested_experts or "eager")
 
     def _init_weights(self, module):
         # torch.nn.init (not `.data`) so that transformers skips tensors already loaded from a checkpoint.
@@ -381,13 +470,16 @@ class MiniMindPreTrainedModel(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, MiniMindTopKRouter):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, MiniMindRMSNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, MiniMindRotaryEmbedding):
             # Non-persistent buffers come back as uninitialised memory from `from_pretrained` (5.x).
-            inv_freq, module.attention_scaling = compute_rope_inv_freq(self.config, module.inv_freq.device)
+            inv_freq, module.attention_scaling = compute_rope_parameters(module.config, module.inv_freq.device)
             with torch.no_grad():
                 module.inv_freq.copy_(inv_freq)
+                module.original_inv_freq.copy_(inv_freq)
 
 
 class MiniMindModel(MiniMindPreTrainedModel):
@@ -396,7 +488,8 @@ class MiniMindModel(MiniMindPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(MiniMindDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            MiniMindDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers))
         self.norm = MiniMindRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MiniMindRotaryEmbedding(config)
         self.gradient_checkpointing = False
@@ -408,100 +501,73 @@ class MiniMindModel(MiniMindPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, past_seen, q_len):
-        """Bad input fails here with a message naming the fix, not later as a device assert or garbage."""
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, cache=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMind needs exactly one of input_ids or inputs_embeds.")
-        batch = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        if input_ids is not None:
-            self._check_token_ids(input_ids, past_seen, q_len)
-        if isinstance(attention_mask, torch.Tensor):
-            _check_mask_shape(attention_mask, batch, past_seen, q_len)
-        if isinstance(past_seen, int) and past_seen + q_len > self.config.max_position_embeddings:
-            raise ValueError(
-                f"Sequence of {past_seen + q_len} tokens exceeds max_position_embeddings="
-                f"{self.config.max_position_embeddings}. Fix: shorten the input, or extend the context with "
-                f"rope_scaling (e.g. inference_rope_scaling=True for YaRN) and a larger max_position_embeddings.")
-
-    def _check_token_ids(self, input_ids, past_seen, q_len):
-        # A one-token step that extends a cache feeds back the model's own prediction: skipping the check there
-        # off the CPU keeps decoding free of a per-step host sync. Prompts are always checked.
-        decode_step = (q_len == 1 and input_ids.device.type != "cpu"
-                       and (not isinstance(past_seen, int) or past_seen > 0))  # a tensor for StaticCache
-        if decode_step or not input_ids.numel() or torch.compiler.is_compiling():
-            return
-        out_of_range = (input_ids < 0) | (input_ids >= self.config.vocab_size)
-        if out_of_range.any():
-            raise ValueError(
-                f"input_ids contain token id(s) {sorted(set(input_ids[out_of_range].tolist()))[:8]} outside the "
-                f"vocabulary [0, {self.config.vocab_size}). Fix: tokenize with this model's tokenizer, or "
-                f"resize_token_embeddings() after adding tokens.")
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
-                output_router_logits=None, return_dict=None, cache=None, **kwargs):
-        cfg = self.config
-        output_attentions = output_attentions if output_attentions is not None else cfg.output_attentions
-        output_hidden_states = (output_hidden_states if output_hidden_states is not None
-                                else cfg.output_hidden_states)
-        if use_cache is None:  # a training forward would only fill a cache nobody reads
-            use_cache = cfg.use_cache and not (self.training and torch.is_grad_enabled())
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-            use_cache = False  # recomputation would write every layer's keys into the cache twice
+        kwargs.pop("cache_position", None)  # passed by 4.57's generate; recomputed below for every version
         cache = cache if cache is not None else past_key_values
         if isinstance(cache, (tuple, list)):  # legacy ((k, v), ...) per layer
             cache = DynamicCache(cache)
+        if use_cache is None:  # a training forward would only fill a cache nobody reads
+            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            use_cache = False  # recomputation would write every layer's keys into the cache twice
         if use_cache and cache is None:
-            cache = DynamicCache(config=cfg)
-        kwargs.pop("cache_position", None)  # passed by 4.57's generate; recomputed below for both versions
+            cache = DynamicCache(config=self.config)
 
-        q_len = (input_ids if input_ids is not None else inputs_embeds).shape[1]
-        # The paged cache of continuous batching is no `Cache`: it comes with its own position_ids and masks.
+        batch, q_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if q_len == 0:
+            raise ValueError("MiniMind got an empty sequence (0 tokens). Fix: pass at least one token, "
+                             "e.g. the tokenizer's bos_token_id as the prompt.")
+        # The paged cache of continuous batching is no `Cache`: it brings its own positions and masks.
         past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
-        self._check_inputs(input_ids, inputs_embeds, attention_mask, past_seen, q_len)
+        if input_ids is not None:
+            check_token_ids(input_ids, self.config.vocab_size, past_seen)
+        if isinstance(attention_mask, torch.Tensor):
+            check_mask_shape(attention_mask, batch, self.config.num_attention_heads, past_seen, q_len)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [B, T, D]
+
         # arange + offset (not arange(offset, ...)): the offset is a tensor for StaticCache, and this form
         # keeps torch.compile(fullgraph=True) free of unbacked symbols.
         cache_position = torch.arange(q_len, device=inputs_embeds.device) + past_seen
         if position_ids is None:
             position_ids = cache_position.unsqueeze(0)  # [1, T]
+            self._warn_past_trained_length(past_seen, q_len)
 
         mask_cache = None if _kernel_writes_cache(cache) else cache  # that kernel brings its own mask
-        mask_kwargs = {_MASK_CACHE_KEYWORD: mask_cache, "position_ids": position_ids}
-        if "cache_position" in _MASK_PARAMS:
-            mask_kwargs["cache_position"] = cache_position
-        mask = create_causal_mask(cfg, inputs_embeds, attention_mask, **mask_kwargs)
+        mask = create_causal_mask(self.config, inputs_embeds, attention_mask,
+                                  **_mask_kwargs(mask_cache, position_ids, cache_position))
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)  # cos, sin [B|1, T, Dh]
-        all_hidden, all_attn, all_router = [], [], []
         for layer in self.layers:
-            if output_hidden_states:
-                all_hidden.append(hidden_states)
-            hidden_states, attn_weights, router_logits = layer(
+            hidden_states = layer(
                 hidden_states, position_embeddings=position_embeddings, attention_mask=mask, cache=cache,
                 cache_position=cache_position, position_ids=position_ids, **kwargs)
-            all_attn.append(attn_weights)
-            if router_logits is not None:
-                all_router.append(router_logits)
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden.append(hidden_states)
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states,
+                                      **{_CACHE_FIELD: cache if use_cache else None})
 
-        return MoeModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_attn) if output_attentions else None,
-            router_logits=tuple(all_router) if output_router_logits and all_router else None,
-            **{_CACHE_FIELD: cache if use_cache else None},
-        )
+    def _warn_past_trained_length(self, past_seen, q_len):
+        # RoPE runs past the trained length (and `dynamic` scaling exists for exactly that), so longer
+        # sequences run, as in Qwen3; the warning says what to expect. Packed rows bring their own
+        # position_ids and never get here.
+        if isinstance(past_seen, int) and past_seen + q_len > self.config.max_position_embeddings:
+            logger.warning_once(  # the message has no length in it, so it is logged once per process
+                f"A sequence is longer than max_position_embeddings={self.config.max_position_embeddings}; "
+                f"quality may drop past the trained length. RoPE scaling (rope_parameters with rope_type "
+                f"'dynamic' or 'yarn') extends the context.")
 
 
 class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
     """The backbone plus a (by default tied) LM head: logits [B, T, V], shifted-label loss, MoE aux loss."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config):
         super().__init__(config)
@@ -522,23 +588,22 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None,
-                output_hidden_states=None, output_router_logits=None, return_dict=None, logits_to_keep=0,
-                cache=None, **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
+                return_dict=None, logits_to_keep=0, cache=None, **kwargs):
         """`labels` [B, T] are the input ids themselves (-100 = ignore); the shift happens in the loss.
         With an int `logits_to_keep`, the loss covers the kept last positions (labels are cut to match)."""
-        cfg = self.config
-        return_dict = return_dict if return_dict is not None else getattr(cfg, "return_dict", True)
-        want_aux = cfg.use_moe and (labels is not None or output_router_logits or
-                                    (output_router_logits is None and cfg.output_router_logits))
+        config = self.config
+        return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
+        if output_router_logits is None:
+            output_router_logits = config.output_router_logits
+        want_aux = config.use_moe and (labels is not None or output_router_logits)
         # Trainer passes `num_items_in_batch` among the kwargs: it goes to the loss, not to the backbone.
         loss_kwargs = {key: kwargs.pop(key) for key in ("num_items_in_batch", "ignore_index", "shift_labels")
                        if key in kwargs}
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
-            output_router_logits=want_aux, **kwargs)
+            output_router_logits=want_aux, return_dict=True, **kwargs)
 
         hidden_states = outputs.last_hidden_state  # [B, T, D]
         if isinstance(logits_to_keep, int):
@@ -549,24 +614,30 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
 
         loss = aux_loss = None
         if labels is not None:
-            if labels.shape[1] != logits.shape[1]:
-                if not isinstance(logits_to_keep, int):
-                    raise ValueError("labels with a tensor logits_to_keep are ambiguous. Fix: pass an int "
-                                     "logits_to_keep, or labels already aligned to the kept positions.")
-                labels = labels[:, -logits.shape[1]:]
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=cfg.vocab_size, **loss_kwargs)
+            loss = self.loss_function(logits=logits, labels=self._labels_for(labels, logits, logits_to_keep),
+                                      vocab_size=config.vocab_size, **loss_kwargs)
         if want_aux:
-            aux_loss = load_balancing_loss(outputs.router_logits, cfg.num_experts, cfg.num_experts_per_tok,
-                                           attention_mask)
+            aux_loss = load_balancing_loss(outputs.router_logits, config.num_experts,
+                                           config.num_experts_per_tok, attention_mask)
             if loss is not None and aux_loss is not None:
-                loss = loss + cfg.router_aux_loss_coef * aux_loss.to(loss.device)
+                loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
 
         out = MoeCausalLMOutputWithPast(
             loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions, router_logits=outputs.router_logits,
+            attentions=outputs.attentions,
+            router_logits=outputs.router_logits if want_aux else None,
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
         )
         return out if return_dict else out.to_tuple()
+
+    @staticmethod
+    def _labels_for(labels, logits, logits_to_keep):
+        if labels.shape[1] == logits.shape[1]:
+            return labels
+        if not isinstance(logits_to_keep, int):
+            raise ValueError("labels with a tensor logits_to_keep are ambiguous. Fix: pass an int "
+                             "logits_to_keep, or labels already aligned to the kept positions.")
+        return labels[:, -logits.shape[1]:]
 
 
 # Saved checkpoints carry `auto_map` and a copy of this file and the config's: they load with

@@ -1,4 +1,4 @@
-"""The model against references: the seed's toy numbers, cached vs full prefix, eager vs sdpa,
+"""The model against references: the toy walkthrough numbers, cached vs full prefix, eager vs sdpa,
 transformers' Qwen3 / Qwen3-MoE with the same weights, parameter counts, bad input."""
 
 import inspect
@@ -19,12 +19,11 @@ from modeling_minimind import (
     MiniMindMoE,
     MiniMindRotaryEmbedding,
     apply_rotary_pos_emb,
-    compute_rope_inv_freq,
     eager_attention_forward,
 )
 
 # ------------------------------------------------------------------------------------------------------
-# Seed 000: the toy walkthrough and the shape ledger
+# The toy walkthrough (d=2, one head) and the shape ledger
 # ------------------------------------------------------------------------------------------------------
 
 def _toy_attention():
@@ -40,7 +39,7 @@ def _toy_attention():
     return config, attn, rotary
 
 
-def test_seed000_toy_walkthrough_numbers():
+def test_toy_walkthrough_numbers():
     config, attn, rotary = _toy_attention()
     X = torch.tensor([[[1.0, 1.0], [1.0, -1.0]]])  # [B=1, T=2, d=2], each row has RMS 1
     cos, sin = rotary(X, torch.arange(2)[None])
@@ -59,7 +58,7 @@ def test_seed000_toy_walkthrough_numbers():
     torch.testing.assert_close(Y[0], torch.tensor([[2.0, 2.0], [2.0, -1.0]]), atol=1e-6, rtol=0)
 
 
-def test_seed000_shape_ledger():
+def test_shape_ledger():
     B, T, d, h = 2, 5, 12, 3
     config = MiniMindConfig(vocab_size=11, hidden_size=d, num_attention_heads=h, num_key_value_heads=h,
                             num_hidden_layers=1, intermediate_size=16, attn_implementation="eager")
@@ -84,19 +83,19 @@ def test_block_preserves_BTD_on_every_route(route):
         cache = DynamicCache(config=config)
         layer(x, position_embeddings=rotary(x, torch.arange(5)[None]), cache=cache)
         step = torch.randn(2, 1, config.hidden_size)  # T_q = 1
-        out, _, _ = layer(step, position_embeddings=rotary(step, torch.tensor([[5]])), cache=cache)
+        out = layer(step, position_embeddings=rotary(step, torch.tensor([[5]])), cache=cache)
         assert out.shape == step.shape and cache.get_seq_length() == 6
     else:
-        out, _, router_logits = layer(x, position_embeddings=rotary(x, torch.arange(5)[None]))
+        out = layer(x, position_embeddings=rotary(x, torch.arange(5)[None]))
         assert out.shape == x.shape
-        assert (router_logits is not None) == (route == "moe")
+        assert isinstance(layer.mlp, MiniMindMoE) == (route == "moe")
 
 
 # ------------------------------------------------------------------------------------------------------
-# Seed 002: exact parameter count
+# Exact parameter counts
 # ------------------------------------------------------------------------------------------------------
 
-def test_seed002_minillama_parameter_count():
+def test_minillama_0_04b_parameter_count():
     model = MiniMindForCausalLM(MiniMindConfig.minillama_0_04b())
     assert sum(p.numel() for p in model.parameters()) == 35_926_528
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -271,23 +270,39 @@ def test_logits_equal_qwen3_with_same_weights(rope, tied):
         assert ours.model.rotary_emb.attention_scaling == pytest.approx(theirs.model.rotary_emb.attention_scaling)
 
 
-@pytest.mark.parametrize("params", [
-    {"factor": 4.0, "original_max_position_embeddings": 64},
-    {"factor": 16.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0},
-    {"factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 1.0},
-    {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.0, "truncate": False},
-])
-def test_yarn_inv_freq_equals_transformers_yarn_init(params):
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+ROPE_TYPES = [
+    {"rope_type": "default"},
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 1.0},
+    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.0, "truncate": False},
+    {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
+     "long_factor": [2.0 + i / 10 for i in range(8)], "original_max_position_embeddings": 64},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+]
 
-    config = tiny_config(max_position_embeddings=32768, rope_scaling={"rope_type": "yarn", **params})
-    reference = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=32768,
+
+@pytest.mark.parametrize("rope", ROPE_TYPES, ids=lambda r: r["rope_type"])
+def test_every_rope_type_equals_qwen3_rotary_embedding_past_the_trained_length(rope):
+    """inv_freq, attention scaling and cos/sin equal Qwen3's for every rope type transformers accepts for it,
+    at positions inside and beyond max_position_embeddings (where dynamic and longrope switch frequencies)."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    config = tiny_config(max_position_embeddings=128, rope_parameters=dict(rope))
+    reference = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=128,
                             rope_parameters=dict(config.rope_parameters))
-    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](reference)
-    inv, factor = compute_rope_inv_freq(config)
-    torch.testing.assert_close(inv, ref_inv, atol=0, rtol=1e-6)
-    assert factor == pytest.approx(ref_factor, rel=1e-12)
+    ours, theirs = MiniMindRotaryEmbedding(config), Qwen3RotaryEmbedding(reference)
+    torch.testing.assert_close(ours.inv_freq, theirs.inv_freq, atol=0, rtol=1e-6)
+    assert ours.attention_scaling == pytest.approx(theirs.attention_scaling, rel=1e-12)
+    x = torch.zeros(1)
+    for length in (16, 300):  # inside, then 2.3x past the trained length
+        positions = torch.arange(length)[None]
+        for a, b in zip(ours(x, positions), theirs(x, positions)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -322,7 +337,7 @@ def test_moe_block_under_bf16_autocast_equals_qwen3_moe_bit_for_bit(top_k):
     theirs.set_experts_implementation("eager")  # the same per-expert matmuls as ours; grouped_mm rounds otherwise
     x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        out, _ = ours.model.layers[0].mlp(x)
+        out = ours.model.layers[0].mlp(x)
         expected = theirs.model.layers[0].mlp(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
@@ -333,7 +348,8 @@ def test_moe_block_equals_plain_per_token_routing():
     torch.manual_seed(0)
     moe = MiniMindMoE(config)
     x = torch.randn(2, 5, config.hidden_size)
-    out, logits = moe(x)
+    out = moe(x)
+    logits, _, _ = moe.gate(x.view(-1, config.hidden_size))
     reference = torch.zeros_like(x.view(-1, config.hidden_size))
     probs = logits.softmax(-1)
     for t, token in enumerate(x.view(-1, config.hidden_size)):
@@ -472,15 +488,25 @@ def test_attention_mask_of_the_wrong_shape_raises(mask_shape):
         model(torch.randint(0, 97, (2, 6)), attention_mask=torch.ones(mask_shape, dtype=torch.long))
 
 
-def test_sequence_beyond_max_position_embeddings_raises():
-    model = tiny_model(max_position_embeddings=16)
-    model(torch.randint(0, 97, (1, 16)))  # exactly the limit is fine
-    with pytest.raises(ValueError, match=r"Sequence of 17 tokens exceeds max_position_embeddings=16"):
-        model(torch.randint(0, 97, (1, 17)))
-    cache = DynamicCache(config=model.config)
-    model(torch.randint(0, 97, (1, 16)), cache=cache, use_cache=True)
-    with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
-        model(torch.randint(0, 97, (1, 1)), cache=cache, use_cache=True)
+def test_sequence_beyond_max_position_embeddings_runs_like_qwen3_and_warns_once(caplog):
+    import transformers
+
+    model = tiny_model(std=0.1, max_position_embeddings=16, attn_implementation="eager")
+    theirs = to_qwen3_model(model)
+    ids = torch.randint(0, 97, (1, 40))
+    logger = transformers.utils.logging.get_logger("modeling_minimind")
+    logger.warning_once.cache_clear()
+    transformers.utils.logging.enable_propagation()
+    with caplog.at_level("WARNING"), torch.no_grad():
+        ours = model(ids).logits
+        model(ids)
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :16], cache=cache, use_cache=True)
+        stepped = model(ids[:, 16:17], cache=cache, use_cache=True).logits
+    torch.testing.assert_close(ours, theirs(ids).logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stepped[0, -1], ours[0, 16], atol=1e-5, rtol=1e-5)
+    warnings = [r for r in caplog.records if "longer than max_position_embeddings=16" in r.getMessage()]
+    assert len(warnings) == 1
 
 
 def test_continuous_batching_with_paged_cache_equals_generate():
