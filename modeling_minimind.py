@@ -55,15 +55,19 @@ def _mask_kwargs(cache, position_ids, cache_position):
     return kwargs
 
 
+# The attention kernel for a layer (`self`). `set_attn_implementation` only switches models whose source
+# reads the registry in these exact words, so keep them as they are.
 if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
 
-    def _attention_function(name, eager):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
+    def _attention_interface(self):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
 
 else:  # 4.57: no get_interface and no "eager" entry
 
-    def _attention_function(name, eager):
-        return eager if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
+    def _attention_interface(self):
+        if self.config._attn_implementation == "eager":
+            return eager_attention_forward
+        return ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
 
 
 try:  # 5.x: output capturing hooks
@@ -244,7 +248,7 @@ class MiniMindAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx, kwargs)  # [B, K, S, Dh]
             del kwargs["cache_position"]
 
-        attention_interface = _attention_function(self.config._attn_implementation, eager_attention_forward)
+        attention_interface = _attention_interface(self)
         out, weights = attention_interface(
             self, q, k, v, attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
@@ -304,7 +308,10 @@ class MiniMindExperts(nn.ModuleList):
     def __init__(self, config):
         super().__init__(MiniMindMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.num_experts = config.num_experts
-        self.act_fn = ACT2FN[config.hidden_act]
+
+    @property
+    def act_fn(self):  # the experts' activation; a property, so that the list holds the experts alone
+        return self[0].act_fn
 
     @property
     def gate_up_proj(self):  # [E, 2I, D], the layout transformers' expert kernels read
@@ -514,7 +521,8 @@ class MiniMindModel(MiniMindPreTrainedModel):
             use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
         if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
             use_cache = False  # recomputation would write every layer's keys into the cache twice
-        if use_cache and cache is None:
+        fresh_cache = use_cache and cache is None
+        if fresh_cache:
             cache = DynamicCache(config=self.config)
 
         batch, q_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
@@ -537,7 +545,10 @@ class MiniMindModel(MiniMindPreTrainedModel):
             position_ids = cache_position.unsqueeze(0)  # [1, T]
             self._warn_past_trained_length(past_seen, q_len)
 
-        mask_cache = None if _kernel_writes_cache(cache) else cache  # that kernel brings its own mask
+        # A cache made here is still empty, so the mask needs none; without one, create_causal_mask finds
+        # packed rows (restarting position_ids) and keeps attention inside each. The paged kernel of
+        # continuous batching brings its own mask.
+        mask_cache = None if fresh_cache or _kernel_writes_cache(cache) else cache
         mask = create_causal_mask(self.config, inputs_embeds, attention_mask,
                                   **_mask_kwargs(mask_cache, position_ids, cache_position))
 

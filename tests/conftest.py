@@ -19,6 +19,10 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: costs more than 30 s on 2 CPU cores; deselect with -m 'not slow'")
+
+
 def tiny_config(**overrides):
     """A ~100k-parameter MiniMind config: fast on 2 cores, every code path present (GQA, q/k norm)."""
     from configuration_minimind import MiniMindConfig

@@ -113,3 +113,30 @@ def test_lora_trains_saves_and_reloads(checkpoint, tmp_path):
         expected = lora(input_ids=prompt()).logits
         torch.testing.assert_close(restored(input_ids=prompt()).logits, expected)
         torch.testing.assert_close(restored.merge_and_unload()(input_ids=prompt()).logits, expected)
+
+
+def test_outputs_are_captured_and_packed_rows_stay_apart(reloaded):
+    """The output-capture decorator (check_model_inputs in 4.57, capture_outputs in 5.x) and the mask
+    utilities' packed-row detection, through the checkpoint's code."""
+    reloaded.set_attn_implementation("eager")
+    first, second = [1, 5, 17, 42], [9, 33, 4]
+    with torch.no_grad():
+        out = reloaded(prompt(), output_hidden_states=True, output_attentions=True)
+        plain = reloaded(prompt())
+        packed = reloaded(torch.tensor([first + second]), position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2]]))
+        alone = reloaded(torch.tensor([second]))
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    torch.testing.assert_close(out.attentions[1].sum(-1), torch.ones(1, 4, 7))
+    assert plain.hidden_states is None and plain.attentions is None
+    torch.testing.assert_close(packed.logits[0, 4:], alone.logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_moe_records_router_logits_and_adds_the_aux_loss(tmp_path):
+    path = tmp_path / "moe"
+    tiny_model(std=0.2, use_moe=True, num_experts=4, num_experts_per_tok=2).save_pretrained(path)
+    moe = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+    with torch.no_grad():
+        out = moe(prompt(), labels=prompt())
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (7, 4)
+    lm_only = moe.loss_function(logits=out.logits, labels=prompt(), vocab_size=97)
+    torch.testing.assert_close(out.loss, lm_only + moe.config.router_aux_loss_coef * out.aux_loss)

@@ -1,0 +1,298 @@
+"""The transformers contract beyond plain forward/generate: static cache and torch.compile, padding-free
+packing, custom 4-D masks, output tuples and capture, and the experts interface. Each test sets MiniMind
+against a reference: its own dynamic-cache / padded / unpacked run, or transformers' Qwen3."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import transformers
+from transformers import DataCollatorWithFlattening, DynamicCache, StaticCache
+
+import modeling_minimind
+from conftest import tiny_config, tiny_model
+from minimind.export import to_qwen3_model
+from modeling_minimind import MiniMindForCausalLM
+
+V5 = int(transformers.__version__.split(".")[0]) >= 5
+EXPERTS_IMPLEMENTATIONS = ["eager", "batched_mm", "grouped_mm"] if V5 else ["eager"]
+
+
+def moe_model(**overrides):
+    return tiny_model(std=0.2, use_moe=True, num_experts=4, num_experts_per_tok=2, **overrides)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Static cache and torch.compile
+# ------------------------------------------------------------------------------------------------------
+
+def test_dense_declares_compile_support_and_moe_only_with_a_sync_free_dispatch():
+    assert tiny_model()._can_compile_fullgraph
+    moe = moe_model()
+    assert moe.config._experts_implementation == "eager" and not moe._can_compile_fullgraph
+    if V5:
+        moe.set_experts_implementation("batched_mm")
+        assert moe._can_compile_fullgraph
+
+
+@pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
+def test_static_cache_generate_equals_dynamic_also_from_inputs_embeds(use_moe):
+    model = moe_model() if use_moe else tiny_model(std=0.3)
+    ids = torch.tensor([[5, 17, 42, 8, 64, 3], [9, 4, 7, 1, 2, 33]])
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    dynamic = model.generate(ids, **kwargs)
+    static = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(dynamic, static)
+    assert len(set(map(tuple, dynamic[:, 6:].tolist()))) > 1  # sensitive: the rows decode differently
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, cache_implementation="static", **kwargs)
+    assert torch.equal(from_embeds[:, -8:], dynamic[:, 6:])
+
+
+def _decode_with_compiled_step(model, prompt, steps, compiled):
+    """Prefill eagerly into a StaticCache, then run `steps` one-token steps through `compiled`; returns
+    the greedy tokens and the last step's logits."""
+    cache = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        logits = model(prompt, cache=cache, use_cache=True).logits[:, -1]
+        tokens = []
+        for _ in range(steps):
+            token = logits.argmax(-1, keepdim=True)
+            tokens.append(token.item())
+            logits = compiled(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
+    return tokens, logits
+
+
+@pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe-batched_mm"])
+def test_compiled_static_cache_decode_has_no_graph_break_and_no_recompile(use_moe):
+    """fullgraph=True fails on any graph break; error_on_recompile fails if the second, shorter prompt
+    (or a later step) needs a new graph. The 'eager' backend traces exactly as inductor would, without
+    inductor's minutes of C++ compilation on a CPU."""
+    model = moe_model() if use_moe else tiny_model(std=0.3)
+    if use_moe:
+        if not V5:
+            pytest.skip("transformers 4.57 has no experts interface: MoE decodes through the host-synced dispatch")
+        model.set_experts_implementation("batched_mm")
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="eager", dynamic=False)
+    first, second = torch.tensor([[5, 17, 42, 8, 64, 3]]), torch.tensor([[9, 4, 7]])
+    tokens, logits = _decode_with_compiled_step(model, first, 4, compiled)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        tokens_2, logits_2 = _decode_with_compiled_step(model, second, 4, compiled)
+    assert (tokens, tokens_2) == (_decode_with_compiled_step(model, first, 4, model.forward)[0],
+                                  _decode_with_compiled_step(model, second, 4, model.forward)[0])
+    eager_logits = _decode_with_compiled_step(model, second, 4, model.forward)[1]
+    torch.testing.assert_close(logits_2, eager_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_compiled_decode_step_equals_eager_and_does_not_recompile():
+    """The real thing users run on a GPU: inductor (about 45 s of C++ compilation on 2 CPU cores)."""
+    model = tiny_model(std=0.3)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    first, second = torch.tensor([[5, 17, 42, 8, 64, 3]]), torch.tensor([[9, 4, 7]])
+    tokens = _decode_with_compiled_step(model, first, 3, compiled)[0]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        tokens_2, logits_2 = _decode_with_compiled_step(model, second, 3, compiled)
+    eager_2 = _decode_with_compiled_step(model, second, 3, model.forward)
+    assert tokens == _decode_with_compiled_step(model, first, 3, model.forward)[0] and tokens_2 == eager_2[0]
+    torch.testing.assert_close(logits_2, eager_2[1], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Padding-free packing and custom 4-D masks
+# ------------------------------------------------------------------------------------------------------
+
+SEQUENCES = [[5, 17, 42, 8, 64, 3, 11, 12, 13, 14], [9, 4, 7, 1, 2, 33, 40], [21, 22, 23, 24, 25, 26, 27, 28, 29]]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_rows_with_restarting_positions_equal_the_padded_batch(attn):
+    """DataCollatorWithFlattening's packed row (26 tokens, longer than max_position_embeddings=16) gives
+    the padded batch's per-token logits and loss: positions restart, attention stays inside each sequence."""
+    model = tiny_model(std=0.2, max_position_embeddings=16, attn_implementation=attn)
+    packed = DataCollatorWithFlattening()([{"input_ids": s, "labels": s} for s in SEQUENCES])
+    assert packed["input_ids"].shape == (1, 26) and "attention_mask" not in packed
+    longest = max(map(len, SEQUENCES))
+    ids = torch.tensor([s + [0] * (longest - len(s)) for s in SEQUENCES])
+    mask = (torch.arange(longest)[None] < torch.tensor([len(s) for s in SEQUENCES])[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask, labels=labels)
+        flat = model(**packed)
+    starts = [0, 10, 17, 26]
+    for row, (begin, end) in enumerate(zip(starts, starts[1:])):
+        torch.testing.assert_close(flat.logits[0, begin:end], padded.logits[row, :end - begin],
+                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flat.loss, padded.loss, atol=1e-6, rtol=1e-6)
+
+
+def _block_causal_mask(lengths):
+    total = sum(lengths)
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    return (causal & (segment[:, None] == segment[None, :]))[None, None]  # [1, 1, T, T], True = attend
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("form", ["bool", "additive"])
+def test_block_diagonal_4d_mask_equals_the_sequences_run_separately(attn, form):
+    model = tiny_model(std=0.2, attn_implementation=attn)
+    lengths = [len(s) for s in SEQUENCES]
+    mask = _block_causal_mask(lengths)
+    if form == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    ids = torch.tensor([sum(SEQUENCES, [])])
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        together = model(ids, attention_mask=mask, position_ids=positions).logits[0]
+        apart = torch.cat([model(torch.tensor([s])).logits[0] for s in SEQUENCES])
+    torch.testing.assert_close(together, apart, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_mask_for_speculative_decoding_scores_each_branch_like_its_own_sequence():
+    """A prefix, then two candidate continuations that each see the prefix but not each other."""
+    model = tiny_model(std=0.2, attn_implementation="eager")
+    prefix, branch_a, branch_b = [5, 17, 42], [8, 64], [9, 4]
+    ids = torch.tensor([prefix + branch_a + branch_b])
+    mask = torch.zeros(1, 1, 7, 7, dtype=torch.bool)
+    mask[0, 0, :3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    for start in (3, 5):
+        mask[0, 0, start:start + 2, :3] = True
+        mask[0, 0, start:start + 2, start:start + 2] = torch.ones(2, 2, dtype=torch.bool).tril()
+    positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4]])
+    with torch.no_grad():
+        tree = model(ids, attention_mask=mask, position_ids=positions).logits[0]
+        a = model(torch.tensor([prefix + branch_a])).logits[0]
+        b = model(torch.tensor([prefix + branch_b])).logits[0]
+    torch.testing.assert_close(tree[:5], a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tree[5:], b[3:], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Outputs: tuples, the cache keyword, captured hidden states / attentions / router logits
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
+def test_return_dict_false_gives_the_dataclass_fields_in_order(use_moe):
+    model = moe_model() if use_moe else tiny_model(std=0.2)
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(labels=ids, use_cache=True, output_hidden_states=True, output_attentions=True)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        as_dict = model(ids, **kwargs)
+        as_tuple = model(ids, return_dict=False, **kwargs)
+    fields = as_dict.to_tuple()
+    assert len(as_tuple) == len(fields) == (7 if use_moe else 5)
+    for ours, expected in zip(as_tuple, fields):
+        if isinstance(expected, torch.Tensor):
+            torch.testing.assert_close(ours, expected)
+        elif isinstance(expected, tuple):
+            assert len(ours) == len(expected)
+            for a, b in zip(ours, expected):
+                torch.testing.assert_close(a, b)
+        else:
+            assert type(ours) is type(expected)
+
+
+def test_older_cache_keyword_round_trips_like_qwen3():
+    model = tiny_model(std=0.2)
+    theirs = to_qwen3_model(model)
+    ids = torch.tensor([[5, 17, 42, 8]])
+    ours_cache, their_cache = DynamicCache(config=model.config), DynamicCache(config=theirs.config)
+    with torch.no_grad():
+        ours = model(ids, past_key_values=ours_cache, use_cache=True)
+        reference = theirs(ids, past_key_values=their_cache, use_cache=True)
+    assert list(ours.keys()) == list(reference.keys())
+    assert ours.past_key_values is ours_cache and ours_cache.get_seq_length() == 4
+    assert reference.past_key_values is their_cache
+
+
+@pytest.mark.skipif(not V5, reason="selecting hidden states by index is a transformers 5 feature")
+def test_hidden_states_of_chosen_layers_equal_qwen3():
+    model = tiny_model(std=0.2, num_hidden_layers=3)
+    theirs = to_qwen3_model(model)
+    ids = torch.tensor([[5, 17, 42, 8]])
+    with torch.no_grad():
+        everything = model(ids, output_hidden_states=True).hidden_states
+        chosen = model(ids, output_hidden_states=[1, -1]).hidden_states
+        reference = theirs(ids, output_hidden_states=[1, -1]).hidden_states
+    assert len(everything) == 4
+    assert [h is None for h in chosen] == [h is None for h in reference] == [True, False, True, False]
+    for index in (1, 3):
+        torch.testing.assert_close(chosen[index], everything[index])
+        torch.testing.assert_close(chosen[index], reference[index], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_probabilities_are_not_kept_unless_asked(monkeypatch):
+    probs = []
+
+    def recording_eager(*args, **kwargs):
+        out, weights = eager(*args, **kwargs)
+        probs.append(weakref.ref(weights))
+        return out, weights
+
+    eager = modeling_minimind.eager_attention_forward
+    monkeypatch.setattr(modeling_minimind, "eager_attention_forward", recording_eager)
+    model = tiny_model(attn_implementation="eager")
+    ids = torch.randint(0, 97, (2, 6))
+    with torch.no_grad():
+        out = model(ids)
+        gc.collect()
+        assert out.attentions is None and len(probs) == 2 and all(ref() is None for ref in probs)
+        asked = model(ids, output_attentions=True)
+    assert len(asked.attentions) == 2 and asked.attentions[0].shape == (2, 4, 6, 6)
+    torch.testing.assert_close(asked.attentions[0].sum(-1), torch.ones(2, 4, 6))
+
+
+def test_router_logits_are_recorded_like_qwen3_moe():
+    model = moe_model(num_hidden_layers=3, mlp_only_layers=[1])
+    theirs = to_qwen3_model(model)
+    ids = torch.tensor([[5, 17, 42, 8, 64, 3]])
+    with torch.no_grad():
+        ours = model(ids, output_router_logits=True).router_logits
+        reference = theirs(ids, output_router_logits=True).router_logits
+    assert len(ours) == len(reference) == 2
+    for a, b in zip(ours, reference):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The experts interface
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("implementation", EXPERTS_IMPLEMENTATIONS)
+def test_experts_implementations_give_the_default_dispatch_outputs_and_gradients(implementation, tmp_path):
+    reference = moe_model(router_aux_loss_coef=0.01)
+    reference.save_pretrained(tmp_path)
+    kwargs = {"experts_implementation": implementation} if V5 else {}
+    model = MiniMindForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **kwargs)
+    assert model.config._experts_implementation == implementation if V5 else True
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for m in (reference, model):
+        m.train()
+        out = m(ids, labels=ids)
+        out.loss.backward()
+        losses.append((out.logits, out.loss))
+    torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(losses[1][1], losses[0][1], atol=1e-6, rtol=1e-6)
+    grads = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert model.model.layers[0].mlp.experts[3].up_proj.weight.grad.abs().sum() > 0
+
+
+def test_default_experts_implementation_is_minimind_dispatch_and_unknown_ones_are_refused():
+    model = moe_model()
+    assert model.config._experts_implementation == "eager"
+    if V5:
+        with pytest.raises(ValueError, match="experts_implementation"):
+            model.set_experts_implementation("no_such_kernel")
+
+
+def test_tiny_config_used_here_is_really_moe():
+    config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2)
+    assert all(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
