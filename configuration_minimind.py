@@ -9,17 +9,18 @@ import math
 
 from transformers import PretrainedConfig
 
-# Upstream MiniMind's `inference_rope_scaling=True` preset: stretch a 2048-token training context 16x.
-# Upstream leaves cos/sin unscaled (attention_factor 1.0, not YaRN's 0.1*ln(16)+1); its ramp clamp
-# (dim/2-1 instead of dim-1) never binds for these values, so the frequencies equal upstream's as well.
+# Upstream MiniMind's `inference_rope_scaling=True` preset: stretch a 2048-token training context
+# 16x. Upstream leaves cos/sin unscaled (attention_factor 1.0, not YaRN's 0.1*ln(16)+1); its ramp
+# clamp (dim/2-1 instead of dim-1) never binds for these values, so the frequencies equal upstream's
+# as well.
 _UPSTREAM_YARN_PRESET = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048,
                          "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0}
 _AUTO_MAP = {"AutoConfig": "configuration_minimind.MiniMindConfig",
              "AutoModel": "modeling_minimind.MiniMindModel",
              "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM"}
-# The rope types transformers accepts for Qwen3, with the keys each one needs beyond rope_type/rope_theta.
-# The scaled types that stretch a pre-training length default it to max_position_embeddings, as
-# transformers does.
+# The rope types transformers accepts for Qwen3, with the keys each one needs beyond
+# rope_type/rope_theta. The scaled types that stretch a pre-training length default it to
+# max_position_embeddings, as transformers does.
 _ROPE_REQUIRED_KEYS = {
     "default": (),
     "linear": ("factor",),
@@ -148,8 +149,9 @@ class MiniMindConfig(PretrainedConfig):
 
     model_type = "minimind"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
-    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): Qwen3's plan, plus each expert's projections,
-    # which are separate Linear modules here. Heads split across ranks; q/k norms act per head, so they replicate.
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): Qwen3's plan, plus each expert's
+    # projections, which are separate Linear modules here. Heads split across ranks; q/k norms act
+    # per head, so they replicate.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -207,7 +209,8 @@ class MiniMindConfig(PretrainedConfig):
         mlp_only_layers=None,
         **kwargs,
     ):
-        # 1. Check what the caller gave, 2. derive the sizes left as None, 3. check what depends on them.
+        # 1. Check what the caller gave, 2. derive the sizes left as None, 3. check what depends on
+        # them.
         given = dict(locals())  # every argument by name, for the rule table
         for field, (kind, fix) in _FIELD_RULES.items():
             _check(field, given[field], kind, fix)
@@ -269,8 +272,8 @@ class MiniMindConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope["rope_theta"]
         self.rope_parameters = rope
-        # transformers 5 made `rope_scaling` a deprecated alias property of `rope_parameters`; 4.57 reads the
-        # plain attribute. Only write it where it is still a plain attribute.
+        # transformers 5 made `rope_scaling` a deprecated alias property of `rope_parameters`; 4.57
+        # reads the plain attribute. Only write it where it is still a plain attribute.
         if not isinstance(getattr(type(self), "rope_scaling", None), property):
             self.rope_scaling = None if rope["rope_type"] == "default" else dict(rope)
         self.inference_rope_scaling = inference_rope_scaling
@@ -289,11 +292,11 @@ class MiniMindConfig(PretrainedConfig):
         self.output_router_logits = output_router_logits
         self.decoder_sparse_step = decoder_sparse_step
         self.mlp_only_layers = mlp_only_layers
-        # Upstream's `flash_attn` switch picks the fused kernel (sdpa) or the explicit one (eager); an explicit
-        # `attn_implementation` (from the caller or from_pretrained) wins.
+        # Upstream's `flash_attn` switch picks the fused kernel (sdpa) or the explicit one (eager);
+        # an explicit `attn_implementation` (from the caller or from_pretrained) wins.
         kwargs.setdefault("attn_implementation", None if flash_attn else "eager")
-        # transformers writes auto_map only for the class being saved; name all three so that AutoModel works
-        # on a checkpoint saved from the causal-LM class (and vice versa).
+        # transformers writes auto_map only for the class being saved; name all three so that
+        # AutoModel works on a checkpoint saved from the causal-LM class (and vice versa).
         kwargs["auto_map"] = {**_AUTO_MAP, **(kwargs.get("auto_map") or {})}
         super().__init__(
             bos_token_id=bos_token_id,

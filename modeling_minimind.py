@@ -1,14 +1,15 @@
 """MiniMind: a Llama/Qwen3-family decoder as a transformers model.
 
-Reads top to bottom: RoPE -> RMSNorm -> attention -> SwiGLU MLP / mixture of experts -> decoder layer ->
-backbone -> causal-LM head. State-dict names equal transformers' Qwen3ForCausalLM (and upstream
-MiniMind's for the experts), so weights move between the three with strict key matching.
+Reads top to bottom: RoPE -> RMSNorm -> attention -> SwiGLU MLP / mixture of experts -> decoder
+layer -> backbone -> causal-LM head. State-dict names equal transformers' Qwen3ForCausalLM (and
+upstream MiniMind's for the experts), so weights move between the three with strict key matching.
 
 Shapes: B batch, T new tokens, S = cached + new tokens, D hidden, H query heads, K key/value heads,
 Dh head_dim, E experts, k experts per token, N = B*T tokens, V vocabulary.
 
 This file depends on torch and transformers alone and runs under transformers 5.x and 4.57: it is
-copied into every saved checkpoint. Every difference between those releases lives in the first section.
+copied into every saved checkpoint. Every difference between those releases lives in the first
+section.
 """
 
 import functools
@@ -35,15 +36,17 @@ except ImportError:  # the repo root on sys.path
 logger = logging.get_logger(__name__)
 
 
-# ----------------------------------------------------------------------------------------------------
-# transformers releases: every version difference, in one place (dropping a release = deleting a branch)
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
+# transformers releases: every version difference, in one place (dropping a release = deleting a
+# branch)
+# ------------------------------------------------------------------------------------------------
 
 # 5.x renamed the cache keyword and output field from `past_key_values` to `cache`.
-_CACHE_FIELD = "cache" if "cache" in MoeModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+_OUTPUT_FIELDS = MoeModelOutputWithPast.__dataclass_fields__
+_CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
 
-# create_causal_mask's cache keyword: `cache` in 5.24+, `past_key_values` in 5.17 and 4.57 (which also
-# wants `cache_position`).
+# create_causal_mask's cache keyword: `cache` in 5.24+, `past_key_values` in 5.17 and 4.57 (which
+# also wants `cache_position`).
 _MASK_PARAMS = inspect.signature(create_causal_mask).parameters
 _MASK_CACHE_KEYWORD = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
 
@@ -55,12 +58,13 @@ def _mask_kwargs(cache, position_ids, cache_position):
     return kwargs
 
 
-# The attention kernel for a layer (`self`). `set_attn_implementation` only switches models whose source
-# reads the registry in these exact words, so keep them as they are.
+# The attention kernel for a layer (`self`). `set_attn_implementation` only switches models whose
+# source reads the registry in these exact words, so keep them as they are.
 if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
 
     def _attention_interface(self):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        return ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward)
 
 else:  # 4.57: no get_interface and no "eager" entry
 
@@ -76,7 +80,8 @@ except ImportError:  # 4.57: the same contract under its older name
     from transformers.utils.generic import OutputRecorder
     from transformers.utils.generic import check_model_inputs as capture_outputs
 
-try:  # 5.x: the library's expert kernels (batched_mm, grouped_mm), chosen by `experts_implementation`
+# 5.x: the library's expert kernels (batched_mm, grouped_mm), chosen by `experts_implementation`.
+try:
     from transformers.integrations.moe import use_experts_implementation
 except ImportError:  # 4.57: MiniMind's own dispatch only
 
@@ -85,8 +90,9 @@ except ImportError:  # 4.57: MiniMind's own dispatch only
 
 
 def _kernel_writes_cache(cache):
-    """True for the paged cache of continuous batching in 4.57 and 5.17: their paged attention kernel writes
-    it (its update() takes read/write indices), so the layer hands it over instead of updating it."""
+    """True for the paged cache of continuous batching in 4.57 and 5.17: their paged attention
+    kernel writes it (its update() takes read/write indices), so the layer hands it over instead of
+    updating it."""
     return cache is not None and not isinstance(cache, Cache) and _update_takes_indices(type(cache))
 
 
@@ -95,20 +101,21 @@ def _update_takes_indices(cache_class):  # once per class: this runs in every la
     return "read_index" in inspect.signature(cache_class.update).parameters
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Rotary position embedding
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 def compute_default_rope_parameters(config, device=None, **kwargs):
     """Plain RoPE: inverse frequencies theta^(-2i/Dh) [Dh/2] in fp32, and no cos/sin scaling."""
     base, dim = config.rope_parameters["rope_theta"], config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32)
+    exponents = exponents / dim
     return 1.0 / (base ** exponents), 1.0
 
 
 def compute_rope_parameters(config, device=None, seq_len=None, **kwargs):
-    """(inv_freq [Dh/2], attention scaling) for the config's rope type. The scaled types (linear, dynamic,
-    yarn, longrope, llama3) use transformers' own initialisation, so they equal Qwen3's exactly.
+    """(inv_freq [Dh/2], attention scaling) for the config's rope type. The scaled types (linear,
+    dynamic, yarn, longrope, llama3) use transformers' own initialisation, so they equal Qwen3's.
     `seq_len` is the length a dynamic type has reached."""
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
@@ -131,7 +138,8 @@ class MiniMindRotaryEmbedding(nn.Module):
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.rope_init_fn = compute_rope_parameters  # what 4.57's dynamic_rope_update calls
         inv_freq, self.attention_scaling = compute_rope_parameters(config)
-        # Non-persistent: `from_pretrained` leaves them uninitialised, so `_init_weights` recomputes them.
+        # Non-persistent: `from_pretrained` leaves them uninitialised, so `_init_weights` recomputes
+        # them.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
 
@@ -152,14 +160,14 @@ def rotate_half(x):
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    """Rotate q [B, H, T, Dh] and k [B, K, T, Dh] by their positions' angles (cos/sin [B, T, Dh])."""
+    """Rotate q [B, H, T, Dh] and k [B, K, T, Dh] by position angles (cos/sin [B, T, Dh])."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Norm, attention, feed-forward
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 class MiniMindRMSNorm(nn.Module):
     def __init__(self, hidden_size, eps=1e-6):
@@ -168,7 +176,8 @@ class MiniMindRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Statistics in fp32 (bf16's 8-bit mantissa loses the mean of squares), scale in the input dtype.
+        # Statistics in fp32 (bf16's 8-bit mantissa loses the mean of squares), scale in the input
+        # dtype.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
 
@@ -184,7 +193,8 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(b, k, n_rep, s, d).reshape(b, k * n_rep, s, d)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                            **kwargs):
     """Explicit attention: q [B, H, T, Dh], k/v [B, K, S, Dh], mask [B, 1, T, S] -> [B, T, H, Dh].
 
     The mask is additive (0 / -inf) or boolean (True = attend), as transformers' mask utilities and
@@ -205,7 +215,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class MiniMindAttention(nn.Module):
-    """Grouped-query attention with per-head RMSNorm on q and k (before RoPE), kernel from the registry."""
+    """Grouped-query attention, per-head RMSNorm on q and k (before RoPE), registry kernel."""
 
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -232,9 +242,10 @@ class MiniMindAttention(nn.Module):
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
                 cache_position=None, **kwargs):
         input_shape = hidden_states.shape[:-1]  # [B, T]
-        hidden_shape = (*input_shape, -1, self.head_dim)  # -1: the heads (this rank's, under tensor parallelism)
-        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # [B, H, T, Dh]
-        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # [B, K, T, Dh]
+        # -1: the heads (this rank's share under tensor parallelism)
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # [B,H,T,Dh]
+        k = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)  # [B,K,T,Dh]
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, K, T, Dh]
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -242,8 +253,9 @@ class MiniMindAttention(nn.Module):
         if _kernel_writes_cache(cache):
             kwargs["cache"] = cache
         elif cache is not None:
-            # The attention kwargs travel with the update: the paged cache of continuous batching fills in
-            # what its kernel needs, 4.57's StaticCache reads cache_position, the other caches ignore them.
+            # The attention kwargs travel with the update: the paged cache of continuous batching
+            # fills in what its kernel needs, 4.57's StaticCache reads cache_position, the other
+            # caches ignore them.
             kwargs["cache_position"] = cache_position
             k, v = cache.update(k, v, self.layer_idx, kwargs)  # [B, K, S, Dh]
             del kwargs["cache_position"]
@@ -275,7 +287,7 @@ class MiniMindMLP(nn.Module):
 
 
 class MiniMindTopKRouter(nn.Module):
-    """Linear router: x [N, D] -> router logits [N, E], top-k weights [N, k] (fp32), expert ids [N, k]."""
+    """Linear router: x [N, D] -> logits [N, E], top-k weights [N, k] (fp32), expert ids [N, k]."""
 
     def __init__(self, config):
         super().__init__()
@@ -288,9 +300,10 @@ class MiniMindTopKRouter(nn.Module):
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
-            # With k=1 the renormalised weight is exactly 1 and would carry no gradient to the router (it
-            # would learn from the aux loss alone). Dividing by the detached value keeps the value at 1 (the
-            # same numbers as Qwen3-MoE) and lets the LM loss reach the router through p / stopgrad(p).
+            # With k=1 the renormalised weight is exactly 1 and would carry no gradient to the
+            # router (it would learn from the aux loss alone). Dividing by the detached value keeps
+            # the value at 1 (the same numbers as Qwen3-MoE) and lets the LM loss reach the router
+            # through p / stopgrad(p).
             denom = weights.sum(dim=-1, keepdim=True) if self.top_k > 1 else weights.detach()
             weights = weights / denom
         return router_logits, weights, experts
@@ -300,17 +313,19 @@ class MiniMindTopKRouter(nn.Module):
 class MiniMindExperts(nn.ModuleList):
     """The experts, one SwiGLU MLP each (state-dict names `experts.<e>.{gate,up,down}_proj.weight`).
 
-    The default dispatch sorts the N*k (token, expert) assignments by expert once, runs each expert as
-    one matmul over its contiguous slice and scatters the weighted results back. `experts_implementation`
-    = "batched_mm" / "grouped_mm" runs transformers' kernels instead (no host sync, so they compile),
-    over the stacked weights below."""
+    The default dispatch sorts the N*k (token, expert) assignments by expert once, runs each expert
+    as one matmul over its contiguous slice and scatters the weighted results back.
+    `experts_implementation` "batched_mm" / "grouped_mm" runs transformers' kernels instead (no host
+    sync, so they compile), over the stacked weights below."""
 
     def __init__(self, config):
-        super().__init__(MiniMindMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
+        size = config.moe_intermediate_size
+        experts = (MiniMindMLP(config, size) for _ in range(config.num_experts))
+        super().__init__(experts)
         self.num_experts = config.num_experts
 
     @property
-    def act_fn(self):  # the experts' activation; a property, so that the list holds the experts alone
+    def act_fn(self):  # a property, so that the list holds the experts alone
         return self[0].act_fn
 
     @property
@@ -324,21 +339,23 @@ class MiniMindExperts(nn.ModuleList):
         return torch.stack([expert.down_proj.weight for expert in self])
 
     def forward(self, x, top_k_index, top_k_weights):
-        """x [N, D], expert ids and weights [N, k] -> the weighted sum of each token's experts [N, D]."""
+        """x [N, D], expert ids and weights [N, k] -> each token's weighted expert sum [N, D]."""
         top_k = top_k_index.shape[-1]
         flat_experts = top_k_index.reshape(-1)  # [N*k]
         order = flat_experts.argsort(stable=True)  # assignments grouped by expert
         token_ids = order // top_k  # [N*k]: the token each sorted assignment belongs to
-        # One host sync per layer for the split sizes: the price of running each expert on a dense slice.
+        # One host sync per layer for the split sizes: the price of running each expert on a dense
+        # slice.
         counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
         grouped = x[token_ids]  # [N*k, D]
-        # Without autograd, experts that got no tokens are skipped (a decode step leaves most of them
-        # idle); with it, every expert runs so that each gets a (zero) gradient, as optimisers and DDP expect.
+        # Without autograd, experts that got no tokens are skipped (a decode step leaves most of
+        # them idle); with it, every expert runs so that each gets a (zero) gradient, as optimisers
+        # and DDP expect.
         expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self, grouped.split(counts))
                                 if len(chunk) or torch.is_grad_enabled()])  # [N*k, D]
         expert_out = expert_out * top_k_weights.reshape(-1)[order, None].to(expert_out.dtype)
-        # Summed in the residual stream's dtype: under bf16 autocast the top-k outputs add up in fp32, as in
-        # Qwen3-MoE.
+        # Summed in the residual stream's dtype: under bf16 autocast the top-k outputs add up in
+        # fp32, as in Qwen3-MoE.
         return x.new_zeros(x.shape).index_add_(0, token_ids, expert_out.to(x.dtype))
 
 
@@ -353,12 +370,12 @@ class MiniMindMoE(nn.Module):
     def forward(self, hidden_states):
         batch, seq, dim = hidden_states.shape
         x = hidden_states.reshape(-1, dim)  # [N, D]
-        _, weights, experts = self.gate(x)  # the logits reach the aux loss through the output recorder
+        _, weights, experts = self.gate(x)  # the logits reach the aux loss via the output recorder
         return self.experts(x, experts, weights).view(batch, seq, dim)
 
 
 def load_balancing_loss(router_logits, num_experts, top_k, attention_mask=None):
-    """Switch-Transformer balance loss E * sum_e f_e * P_e over all MoE layers (1.0 times k when uniform).
+    """Switch-Transformer balance loss E * sum_e f_e * P_e over all MoE layers (k when uniform).
 
     f_e: share of the top-k assignments that went to expert e; P_e: mean router probability of e.
     Padding rows are left out when a matching [B, T] mask is given.
@@ -367,7 +384,8 @@ def load_balancing_loss(router_logits, num_experts, top_k, attention_mask=None):
         return None
     logits = torch.cat([layer.float() for layer in router_logits], dim=0)  # [L*N, E]
     probs = F.softmax(logits, dim=-1)
-    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).sum(dim=1).float()  # [L*N, E]
+    top_k_ids = probs.topk(top_k, dim=-1).indices
+    chosen = F.one_hot(top_k_ids, num_experts).sum(dim=1).float()  # [L*N, E]
     rows = router_logits[0].shape[0]
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.numel() == rows:
         keep = attention_mask.reshape(-1).float().repeat(len(router_logits))[:, None]  # [L*N, 1]
@@ -397,13 +415,14 @@ class MiniMindDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))  # [B, T, D]
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Input checks: bad input fails here with a message naming the fix, not later as garbage
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 def check_token_ids(input_ids, vocab_size, past_seen):
-    # A one-token step that extends a cache feeds back the model's own prediction: skipping the check
-    # there off the CPU keeps decoding free of a per-step host sync. Prompts are always checked.
+    # A one-token step that extends a cache feeds back the model's own prediction: skipping the
+    # check there off the CPU keeps decoding free of a per-step host sync. Prompts are always
+    # checked.
     extends_cache = not isinstance(past_seen, int) or past_seen > 0  # a tensor for StaticCache
     decode_step = input_ids.shape[1] == 1 and input_ids.device.type != "cpu" and extends_cache
     if decode_step or torch.compiler.is_compiling():
@@ -412,13 +431,14 @@ def check_token_ids(input_ids, vocab_size, past_seen):
     if out_of_range.any():
         bad = sorted(set(input_ids[out_of_range].tolist()))[:8]
         raise ValueError(
-            f"input_ids contain token id(s) {bad} outside the vocabulary [0, {vocab_size}). Fix: tokenize "
-            f"with this model's tokenizer, or resize_token_embeddings() after adding tokens.")
+            f"input_ids contain token id(s) {bad} outside the vocabulary [0, {vocab_size}). Fix: "
+            f"tokenize with this model's tokenizer, or resize_token_embeddings() after adding "
+            f"tokens.")
 
 
 def check_mask_shape(attention_mask, batch, num_heads, past_seen, q_len):
-    """A 2-D mask has one column per token of the whole sequence (cached ones included); a 4-D one is
-    [B or 1, 1 or H, T, key length]. `past_seen` is a tensor (length unknown here) for StaticCache."""
+    """A 2-D mask has one column per token of the whole sequence (cached ones included); a 4-D one
+    is [B or 1, 1 or H, T, key length]. `past_seen` is a tensor (length unknown) for StaticCache."""
     known_len = past_seen + q_len if isinstance(past_seen, int) else None
     shape = tuple(attention_mask.shape)
     if attention_mask.dim() == 2:
@@ -433,14 +453,14 @@ def check_mask_shape(attention_mask, batch, num_heads, past_seen, q_len):
         expected = f"[{batch}, past + new tokens] (2-D) or [{batch}, 1, {q_len}, key length] (4-D)"
     if not ok:
         raise ValueError(
-            f"attention_mask has shape {list(shape)} but these inputs need {expected} (batch {batch}, "
-            f"{q_len} new tokens, {past_seen} cached). Fix: pass one mask column per token of the full "
-            f"sequence, cached tokens included.")
+            f"attention_mask has shape {list(shape)} but these inputs need {expected} (batch "
+            f"{batch}, {q_len} new tokens, {past_seen} cached). Fix: pass one mask column per "
+            f"token of the full sequence, cached tokens included.")
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 # Models
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------
 
 class MiniMindPreTrainedModel(PreTrainedModel):
     config_class = MiniMindConfig
@@ -461,8 +481,8 @@ class MiniMindPreTrainedModel(PreTrainedModel):
 
     @property
     def _can_compile_fullgraph(self):
-        # Dense models have no data-dependent shapes. The default expert dispatch reads its split sizes on
-        # the host; transformers' batched_mm / grouped_mm kernels do not.
+        # Dense models have no data-dependent shapes. The default expert dispatch reads its split
+        # sizes on the host; transformers' batched_mm / grouped_mm kernels do not.
         experts = getattr(self.config, "_experts_implementation", None)
         return not self.config.use_moe or experts in ("batched_mm", "grouped_mm")
 
@@ -471,7 +491,8 @@ class MiniMindPreTrainedModel(PreTrainedModel):
         return super().get_correct_experts_implementation(requested_experts or "eager")
 
     def _init_weights(self, module):
-        # torch.nn.init (not `.data`) so that transformers skips tensors already loaded from a checkpoint.
+        # torch.nn.init (not `.data`) so that transformers skips tensors already loaded from a
+        # checkpoint.
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -483,20 +504,21 @@ class MiniMindPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
         elif isinstance(module, MiniMindRotaryEmbedding):
             # Non-persistent buffers come back as uninitialised memory from `from_pretrained` (5.x).
-            inv_freq, module.attention_scaling = compute_rope_parameters(module.config, module.inv_freq.device)
+            device = module.inv_freq.device
+            inv_freq, module.attention_scaling = compute_rope_parameters(module.config, device)
             with torch.no_grad():
                 module.inv_freq.copy_(inv_freq)
                 module.original_inv_freq.copy_(inv_freq)
 
 
 class MiniMindModel(MiniMindPreTrainedModel):
-    """Embeddings, the decoder layers and the final norm: input ids [B, T] -> hidden states [B, T, D]."""
+    """Embeddings, decoder layers and final norm: input ids [B, T] -> hidden states [B, T, D]."""
 
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            MiniMindDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers))
+            MiniMindDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = MiniMindRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MiniMindRotaryEmbedding(config)
         self.gradient_checkpointing = False
@@ -513,7 +535,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
                 inputs_embeds=None, use_cache=None, cache=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMind needs exactly one of input_ids or inputs_embeds.")
-        kwargs.pop("cache_position", None)  # passed by 4.57's generate; recomputed below for every version
+        kwargs.pop("cache_position", None)  # from 4.57's generate; recomputed below
         cache = cache if cache is not None else past_key_values
         if isinstance(cache, (tuple, list)):  # legacy ((k, v), ...) per layer
             cache = DynamicCache(cache)
@@ -527,27 +549,29 @@ class MiniMindModel(MiniMindPreTrainedModel):
 
         batch, q_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         if q_len == 0:
-            raise ValueError("MiniMind got an empty sequence (0 tokens). Fix: pass at least one token, "
-                             "e.g. the tokenizer's bos_token_id as the prompt.")
-        # The paged cache of continuous batching is no `Cache`: it brings its own positions and masks.
+            raise ValueError("MiniMind got an empty sequence (0 tokens). Fix: pass at least one "
+                             "token, e.g. the tokenizer's bos_token_id as the prompt.")
+        # The paged cache of continuous batching is no `Cache`: it brings its own positions and
+        # masks.
         past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
         if input_ids is not None:
             check_token_ids(input_ids, self.config.vocab_size, past_seen)
         if isinstance(attention_mask, torch.Tensor):
-            check_mask_shape(attention_mask, batch, self.config.num_attention_heads, past_seen, q_len)
+            heads = self.config.num_attention_heads
+            check_mask_shape(attention_mask, batch, heads, past_seen, q_len)
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # [B, T, D]
 
-        # arange + offset (not arange(offset, ...)): the offset is a tensor for StaticCache, and this form
-        # keeps torch.compile(fullgraph=True) free of unbacked symbols.
+        # arange + offset (not arange(offset, ...)): the offset is a tensor for StaticCache, and
+        # this form keeps torch.compile(fullgraph=True) free of unbacked symbols.
         cache_position = torch.arange(q_len, device=inputs_embeds.device) + past_seen
         if position_ids is None:
             position_ids = cache_position.unsqueeze(0)  # [1, T]
             self._warn_past_trained_length(past_seen, q_len)
 
-        # A cache made here is still empty, so the mask needs none; without one, create_causal_mask finds
-        # packed rows (restarting position_ids) and keeps attention inside each. The paged kernel of
-        # continuous batching brings its own mask.
+        # A cache made here is still empty, so the mask needs none; without one, create_causal_mask
+        # finds packed rows (restarting position_ids) and keeps attention inside each. The paged
+        # kernel of continuous batching brings its own mask.
         mask_cache = None if fresh_cache or _kernel_writes_cache(cache) else cache
         mask = create_causal_mask(self.config, inputs_embeds, attention_mask,
                                   **_mask_kwargs(mask_cache, position_ids, cache_position))
@@ -556,25 +580,27 @@ class MiniMindModel(MiniMindPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids)  # cos, sin [B|1, T, Dh]
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_embeddings=position_embeddings, attention_mask=mask, cache=cache,
-                cache_position=cache_position, position_ids=position_ids, **kwargs)
+                hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
+                cache=cache, cache_position=cache_position, position_ids=position_ids, **kwargs)
         hidden_states = self.norm(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=hidden_states,
                                       **{_CACHE_FIELD: cache if use_cache else None})
 
     def _warn_past_trained_length(self, past_seen, q_len):
-        # RoPE runs past the trained length (and `dynamic` scaling exists for exactly that), so longer
-        # sequences run, as in Qwen3; the warning says what to expect. Packed rows bring their own
-        # position_ids and never get here.
+        # RoPE runs past the trained length (and `dynamic` scaling exists for exactly that), so
+        # longer sequences run, as in Qwen3; the warning says what to expect. Packed rows bring
+        # their own position_ids and never get here.
         if isinstance(past_seen, int) and past_seen + q_len > self.config.max_position_embeddings:
-            logger.warning_once(  # the message has no length in it, so it is logged once per process
-                f"A sequence is longer than max_position_embeddings={self.config.max_position_embeddings}; "
-                f"quality may drop past the trained length. RoPE scaling (rope_parameters with rope_type "
-                f"'dynamic' or 'yarn') extends the context.")
+            limit = self.config.max_position_embeddings
+            logger.warning_once(  # no length in the message, so it is logged once per process
+                f"A sequence is longer than max_position_embeddings={limit}; quality may drop past "
+                f"the trained length. RoPE scaling (rope_parameters with rope_type 'dynamic' or "
+                f"'yarn') extends the context.")
 
 
 class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
-    """The backbone plus a (by default tied) LM head: logits [B, T, V], shifted-label loss, MoE aux loss."""
+    """The backbone plus a (tied by default) LM head: logits [B, T, V], shifted-label loss, MoE aux
+    loss."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -601,20 +627,22 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
                 return_dict=None, logits_to_keep=0, cache=None, **kwargs):
-        """`labels` [B, T] are the input ids themselves (-100 = ignore); the shift happens in the loss.
-        With an int `logits_to_keep`, the loss covers the kept last positions (labels are cut to match)."""
+        """`labels` [B, T] are the input ids themselves (-100 = ignore); the loss shifts them. With
+        an int `logits_to_keep`, the loss covers the kept last positions (labels cut to match)."""
         config = self.config
-        return_dict = return_dict if return_dict is not None else getattr(config, "return_dict", True)
+        if return_dict is None:
+            return_dict = getattr(config, "return_dict", True)
         if output_router_logits is None:
             output_router_logits = config.output_router_logits
         want_aux = config.use_moe and (labels is not None or output_router_logits)
-        # Trainer passes `num_items_in_batch` among the kwargs: it goes to the loss, not to the backbone.
-        loss_kwargs = {key: kwargs.pop(key) for key in ("num_items_in_batch", "ignore_index", "shift_labels")
-                       if key in kwargs}
+        # Trainer passes `num_items_in_batch` among the kwargs: it goes to the loss, not to the
+        # backbone.
+        loss_keys = ("num_items_in_batch", "ignore_index", "shift_labels")
+        loss_kwargs = {key: kwargs.pop(key) for key in loss_keys if key in kwargs}
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_router_logits=want_aux, return_dict=True, **kwargs)
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            cache=cache, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, output_router_logits=want_aux, return_dict=True, **kwargs)
 
         hidden_states = outputs.last_hidden_state  # [B, T, D]
         if isinstance(logits_to_keep, int):
@@ -625,8 +653,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
 
         loss = aux_loss = None
         if labels is not None:
-            loss = self.loss_function(logits=logits, labels=self._labels_for(labels, logits, logits_to_keep),
-                                      vocab_size=config.vocab_size, **loss_kwargs)
+            labels = self._labels_for(labels, logits, logits_to_keep)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size,
+                                      **loss_kwargs)
         if want_aux:
             aux_loss = load_balancing_loss(outputs.router_logits, config.num_experts,
                                            config.num_experts_per_tok, attention_mask)
