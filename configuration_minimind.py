@@ -288,8 +288,11 @@ class MiniMindConfig(PretrainedConfig):
         self.num_experts_per_tok = num_experts_per_tok
         self.moe_intermediate_size = moe_intermediate_size
         self.norm_topk_prob = norm_topk_prob
-        self.router_aux_loss_coef = router_aux_loss_coef
-        self.output_router_logits = output_router_logits
+        if use_moe:
+            # Only MoE configs carry these: libraries (TRL's trainers among them) switch on their MoE
+            # aux-loss path when a config has `output_router_logits`, as for Qwen3-MoE and not Qwen3.
+            self.router_aux_loss_coef = router_aux_loss_coef
+            self.output_router_logits = output_router_logits
         self.decoder_sparse_step = decoder_sparse_step
         self.mlp_only_layers = mlp_only_layers
         # Upstream's `flash_attn` switch picks the fused kernel (sdpa) or the explicit one (eager);

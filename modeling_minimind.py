@@ -632,8 +632,8 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         config = self.config
         if return_dict is None:
             return_dict = getattr(config, "return_dict", True)
-        if output_router_logits is None:
-            output_router_logits = config.output_router_logits
+        if output_router_logits is None:  # a dense config has no such field
+            output_router_logits = getattr(config, "output_router_logits", False)
         want_aux = config.use_moe and (labels is not None or output_router_logits)
         # Trainer passes `num_items_in_batch` among the kwargs: it goes to the loss, not to the
         # backbone.
