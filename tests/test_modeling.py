@@ -233,14 +233,31 @@ def test_eager_equals_sdpa_with_non_empty_cache_and_mask():
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
 
 
-def test_set_attn_implementation_switches_kernel():
+def test_set_attn_implementation_switches_kernel(monkeypatch):
+    import modeling_minimind
+
+    calls = {"eager": 0, "sdpa": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(modeling_minimind, "eager_attention_forward",
+                        counting("eager", modeling_minimind.eager_attention_forward))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        counting("sdpa", torch.nn.functional.scaled_dot_product_attention))
     model = tiny_model()
+    ids = torch.tensor([[1, 2, 3]])
     model.set_attn_implementation("eager")
-    assert model.config._attn_implementation == "eager"
-    out = model(torch.tensor([[1, 2, 3]]), output_attentions=True)
+    out = model(ids, output_attentions=True)
+    assert calls == {"eager": 2, "sdpa": 0}  # one call per layer
     assert len(out.attentions) == 2 and out.attentions[0].shape == (1, 4, 3, 3)
     model.set_attn_implementation("sdpa")
-    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, out.logits, atol=1e-5, rtol=1e-5)
+    assert calls == {"eager": 2, "sdpa": 2}
 
 
 def test_flash_attention_2_without_the_package_is_a_clear_error():
@@ -380,13 +397,35 @@ def test_moe_aux_loss_in_loss_with_labels_and_absent_at_generation(monkeypatch):
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_router_learns_from_lm_loss_for_every_k(top_k):
-    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=top_k, router_aux_loss_coef=0.0)
-    model.train()
-    ids = torch.randint(0, 97, (2, 8))
-    model(ids, labels=ids).loss.backward()
-    grad = model.model.layers[0].mlp.gate.weight.grad
-    assert grad is not None and grad.abs().sum() > 0
+def test_router_gradient_from_the_block_output_equals_the_hand_computed_one(top_k):
+    """d(g . out)/d(router weight) for fixed upstream gradients g. Each token's output is
+    sum_i w_i * expert_i(x) with w = p_top / sum(p_top) (k=2) or p / stopgrad(p) (k=1), p = softmax(W x);
+    so dL/dlogit_j = sum_i c_i * dw_i/dlogit_j with c_i = g . expert_i(x), and dw/dlogit follows from
+    dp_i/dlogit_j = p_i (delta_ij - p_j). With k=1 this is c * (delta_ej - p_j): not zero, so the LM loss
+    trains the router even though every weight is exactly 1."""
+    config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k)
+    torch.manual_seed(0)
+    moe = MiniMindMoE(config).double()
+    x = torch.randn(1, 5, config.hidden_size, dtype=torch.float64)
+    upstream = torch.randn_like(x)
+    (moe(x) * upstream).sum().backward()
+
+    tokens, router = x.view(-1, config.hidden_size), moe.gate.weight.detach()
+    expected = torch.zeros_like(router)
+    for token, g in zip(tokens, upstream.view(-1, config.hidden_size)):
+        p = torch.softmax(router @ token, dim=-1)
+        top = p.topk(top_k).indices
+        c = torch.stack([g @ moe.experts[e](token).detach() for e in top])  # [k]
+        dp = torch.diag(p) - p[:, None] * p[None, :]  # dp_i/dlogit_j, [E, E]
+        if top_k == 1:
+            dw = dp[top] / p[top, None]  # d(p / stopgrad(p))
+        else:
+            s = p[top].sum()
+            dw = dp[top] / s - p[top, None] * dp[top].sum(0, keepdim=True) / s**2
+        expected += torch.outer(c @ dw, token)
+    # The router softmax runs in fp32 (as Qwen3-MoE's), hence fp32 tolerances on a float64 block.
+    torch.testing.assert_close(moe.gate.weight.grad, expected, atol=1e-6, rtol=1e-5)
+    assert expected.abs().max() > 1e-3
 
 
 def test_moe_generate_with_left_padding_matches_unpadded():

@@ -3,7 +3,7 @@ step that skips the token-id check off the CPU, host syncs, torch.compile of a s
 flash-attention 2).
 
 Skipped without a GPU. `MINIMIND_TEST_DEVICE=cpu` runs them on the CPU instead, to rehearse them before a GPU
-is at hand; `.ci/gpu-check.sh` runs them on one.
+is at hand; `scripts/gpu_check.sh` runs them on one.
 """
 
 import os

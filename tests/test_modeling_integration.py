@@ -67,23 +67,29 @@ def test_package_registers_auto_classes_without_remote_code(tmp_path):
 
 
 def test_remote_code_needs_no_repo_on_sys_path(tmp_path):
-    """The checkpoint alone (code copied in) loads and generates in a fresh interpreter from any folder."""
+    """The checkpoint alone (code copied in) loads in a fresh interpreter that has never imported the
+    package, from any folder, and generates exactly the in-process model's tokens."""
     import subprocess
 
-    tiny_model().save_pretrained(tmp_path / "ckpt")
+    model = tiny_model(std=0.3)
+    model.save_pretrained(tmp_path / "ckpt")
+    prompt = [[1, 2, 3, 40, 7]]
     script = (
-        "import torch\n"
+        "import sys, torch\n"
         "from transformers import AutoModelForCausalLM\n"
         f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True)\n"
+        "assert 'minimind' not in sys.modules and 'modeling_minimind' not in sys.modules\n"
         "print(type(m).__module__.split('.')[0])\n"
-        "print(m.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False).shape)\n"
+        f"print(m.generate(torch.tensor({prompt}), max_new_tokens=8, do_sample=False)[0].tolist())\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split()[:1] == ["transformers_modules"]
-    assert "torch.Size([1, 6])" in result.stdout
+    module_root, tokens = result.stdout.strip().splitlines()[-2:]
+    assert module_root == "transformers_modules"
+    expected = model.generate(torch.tensor(prompt), max_new_tokens=8, do_sample=False)[0].tolist()
+    assert json.loads(tokens) == expected and len(set(expected[5:])) > 1
 
 
 class _RandomTokens(torch.utils.data.Dataset):
