@@ -305,7 +305,7 @@ class MiniMindConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         if use_moe:
             # Only MoE configs carry these: libraries (TRL's trainers among them) switch on their
-            # MoE aux-loss path when a config has `output_router_logits`, as for Qwen3-MoE, not Qwen3.
+            # MoE aux-loss path when a config has `output_router_logits`, as Qwen3-MoE's does.
             self.router_aux_loss_coef = router_aux_loss_coef
             self.output_router_logits = output_router_logits
         self.decoder_sparse_step = decoder_sparse_step
