@@ -4,7 +4,7 @@ PYTHON ?= python
 # Elsewhere: TORCH_SPEC="torch" (or install the torch for your CUDA yourself and run `make install-package`).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-package demo test test-main test-compat test-llama-cpp bench gpu-check
+.PHONY: install install-package demo test test-main test-compat test-llama-cpp test-transformers-common bench gpu-check
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
@@ -32,6 +32,11 @@ test-compat:
 test-llama-cpp:
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PYTHON) -m pip install -q "llama-cpp-python==0.3.36"
 	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_export.py -q -k llama_cpp
+
+# transformers' own common model tests (ModelTesterMixin & co.) on MiniMind, Qwen3 alongside. They are fetched from
+# the installed transformers' sdist on PyPI at test time (never copied here); ~6 minutes, ~2 with RUN_TRAINING_TESTS=0.
+test-transformers-common:
+	PYTHON=$(PYTHON) bash .ci/transformers-common.sh
 
 bench:
 	$(PYTHON) scripts/benchmark.py

@@ -58,6 +58,15 @@ _FIELD_RULES = {
 }
 
 
+# Each expert's projections, separate Linear modules here; only a MoE model has them, and every
+# entry of a model's plan must match one of its parameters.
+_EXPERT_TP_PLAN = {
+    "layers.*.mlp.experts.*.gate_proj": "colwise",
+    "layers.*.mlp.experts.*.up_proj": "colwise",
+    "layers.*.mlp.experts.*.down_proj": "rowwise",
+}
+
+
 def _fail(field, problem, fix):
     raise ValueError(f"MiniMindConfig.{field}: {problem}. Fix: {fix}.")
 
@@ -156,9 +165,9 @@ class MiniMindConfig(PretrainedConfig):
 
     model_type = "minimind"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
-    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): Qwen3's plan, plus each expert's
-    # projections, which are separate Linear modules here. Heads split across ranks; q/k norms act
-    # per head, so they replicate.
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): Qwen3's plan (MoE configs add
+    # _EXPERT_TP_PLAN in __init__). Heads split across ranks; q/k norms act per head, so they
+    # replicate.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -169,9 +178,6 @@ class MiniMindConfig(PretrainedConfig):
         "layers.*.mlp.gate_proj": "colwise",
         "layers.*.mlp.up_proj": "colwise",
         "layers.*.mlp.down_proj": "rowwise",
-        "layers.*.mlp.experts.*.gate_proj": "colwise",
-        "layers.*.mlp.experts.*.up_proj": "colwise",
-        "layers.*.mlp.experts.*.down_proj": "rowwise",
     }
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
@@ -310,6 +316,8 @@ class MiniMindConfig(PretrainedConfig):
             self.output_router_logits = output_router_logits
         self.decoder_sparse_step = decoder_sparse_step
         self.mlp_only_layers = mlp_only_layers
+        if use_moe:  # before super().__init__(): 5.17 extends the instance's plan for tied embeddings
+            self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_EXPERT_TP_PLAN}
         # Upstream's `flash_attn` switch picks the fused kernel (sdpa) or the explicit one (eager);
         # an explicit `attn_implementation` (from the caller or from_pretrained) wins.
         kwargs.setdefault("attn_implementation", None if flash_attn else "eager")

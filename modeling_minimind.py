@@ -15,6 +15,11 @@ section.
 import functools
 import inspect
 
+try:  # Python 3.11+
+    from typing import Unpack
+except ImportError:  # 3.10
+    from typing_extensions import Unpack
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +31,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils import logging
+from transformers.utils import TransformersKwargs, logging
 
 try:  # inside a checkpoint (trust_remote_code) or the installed package
     from .configuration_minimind import MiniMindConfig
@@ -49,6 +54,17 @@ _CACHE_FIELD = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
 # also wants `cache_position`).
 _MASK_PARAMS = inspect.signature(create_causal_mask).parameters
 _MASK_CACHE_KEYWORD = "cache" if "cache" in _MASK_PARAMS else "past_key_values"
+
+
+# 5.24+ (the releases that renamed the keyword): `past_key_values` still works but warns, as in Qwen3.
+if _CACHE_FIELD == "cache":
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    _deprecated_cache_keyword = deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+else:  # 5.17 and 4.57: `past_key_values` is the keyword
+
+    def _deprecated_cache_keyword(forward):
+        return forward
 
 
 def _mask_kwargs(cache, position_ids, cache_position):
@@ -530,9 +546,11 @@ class MiniMindModel(MiniMindPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @_deprecated_cache_keyword
     @capture_outputs
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, cache=None, **kwargs):
+                inputs_embeds=None, use_cache=None, cache=None,
+                **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMind needs exactly one of input_ids or inputs_embeds.")
         kwargs.pop("cache_position", None)  # from 4.57's generate; recomputed below
@@ -624,9 +642,11 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
+    @_deprecated_cache_keyword
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
-                return_dict=None, logits_to_keep=0, cache=None, **kwargs):
+                return_dict=None, logits_to_keep=0, cache=None,
+                **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast | tuple:
         """`labels` [B, T] are the input ids themselves (-100 = ignore); the loss shifts them. With
         an int `logits_to_keep`, the loss covers the kept last positions (labels cut to match)."""
         config = self.config
@@ -641,7 +661,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss_kwargs = {key: kwargs.pop(key) for key in loss_keys if key in kwargs}
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
             use_cache=use_cache, output_router_logits=want_aux, return_dict=True, **kwargs)
 
         hidden_states = outputs.last_hidden_state  # [B, T, D]
