@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: install install-package demo test test-main test-compat test-llama-cpp test-transformers-common bench gpu-check
 
 install:
+	@# An environment made without pip (`uv venv`, some conda envs) gets it from the standard library first.
+	@$(PYTHON) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m ensurepip --upgrade >/dev/null
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(MAKE) install-package
 
