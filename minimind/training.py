@@ -1,10 +1,11 @@
-"""The one training core behind scripts/{pretrain,sft,lora,dpo,distill,demo}.py.
+"""The one training core behind the pretrain, sft, lora, dpo, distill and demo commands (`minimind.cli`).
 
-Every script is: parse arguments (`parse_args`), then call one `run_*` function here. The loop is always a
-transformers `Trainer` (DPO: TRL's `DPOTrainer`, which is one), so `accelerate launch` / `torchrun`, FSDP,
-DeepSpeed, bf16, gradient accumulation and checkpointing behave as documented for transformers.
+Every command is: parse arguments (`parse_args`), then call one `run_*` function here, each a thin choice of
+task-specific pieces for the one recipe, `run_training`. The loop is always a transformers `Trainer` (DPO: TRL's
+`DPOTrainer`, which is one), so `accelerate launch` / `torchrun`, FSDP, DeepSpeed, bf16, gradient accumulation
+and checkpointing behave as documented for transformers.
 
-Order inside every `run_*`: tokenizer, datasets, model, trainer. Datasets come first so that a malformed data
+Order inside `run_training`: tokenizer, datasets, model, trainer. Datasets come first so that a malformed data
 line (`minimind.data.DataFormatError`, with file name and line number) stops the run before any model is built.
 
 Every directory we write (final output and each checkpoint-N) is a complete Hugging Face model directory:
@@ -20,20 +21,21 @@ import json
 import logging
 import math
 import sys
-import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import (AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback,
-                          TrainingArguments, default_data_collator)
+from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
+from transformers.hf_argparser import string_to_bool
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from configuration_minimind import MiniMindConfig
 # Importing the minimind package registers MiniMind with the Auto classes (used by from_config below).
-from minimind.data import DataFormatError, build_dataset, read_jsonl, sft_collator, split_train_eval
+from minimind.data import build_dataset, collator, read_jsonl, split_train_eval
+from minimind.distributed import restore_model_code, shard_for_cpu_fsdp
 from minimind.tokenizer import load_tokenizer as _load_checked_tokenizer
 from minimind.tokenizer import save_tokenizer
 
@@ -112,29 +114,76 @@ class DistillArguments:
     data_kind: str = field(default="sft", metadata={"choices": ["sft", "pretrain"]})
 
 
+@dataclass
+class MiniMindTrainingArguments(TrainingArguments):
+    """TrainingArguments plus `padding_free`, a switch TRL's DPOConfig has under the same name: so the flag means
+    the same in every command, and the DPO command, parsed with DPOConfig, takes TRL's."""
+
+    padding_free: bool = field(default=False, metadata={
+        "help": "Pretraining and chat data: each batch is one row of its examples back to back, position ids "
+                "restarting at every example, no padding tokens. Pretraining then keeps documents apart (split "
+                "at --max_seq_length) instead of packing fixed blocks, and --per_device_train_batch_size counts "
+                "documents or chats."})
+
+
 # Script defaults for TrainingArguments: small logs, resumable checkpoints, no external loggers.
 TRAINING_DEFAULTS = dict(logging_steps=10, save_steps=500, save_total_limit=2, report_to="none",
                          per_device_train_batch_size=8, per_device_eval_batch_size=8)
 
 
-def parse_args(argv=None, *extra, training_args_class=TrainingArguments, **defaults):
+def hardware_bf16(use_cpu=False):
+    """bf16 mixed precision where a CUDA GPU supports it, fp32 everywhere else."""
+    return not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+class ArgumentParser(HfArgumentParser):
+    """HfArgumentParser for the training commands.
+
+    Precision follows the hardware unless the user chose: without --bf16, --no_bf16 or --fp16, a run trains in
+    bf16 where a CUDA GPU supports it and in fp32 elsewhere (TRL's DPOConfig would default to bf16 and refuse to
+    start on a CPU). Activation checkpointing is off unless asked for. `--activation_checkpointing` (the current
+    name) is accepted under transformers releases that only know `--gradient_checkpointing` as well, so documented
+    commands run under both."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, **kwargs)
+        bf16 = self._option_string_actions["--bf16"]
+        bf16.nargs, bf16.const = "?", True  # a bare --bf16 for DPOConfig too (its optional field wants a value)
+        if "--no_bf16" not in self._option_string_actions:
+            self.add_argument("--no_bf16", "--no-bf16", dest="bf16", action="store_false",
+                              help="train in fp32 even where bf16 is available")
+        for name in ("activation_checkpointing", "activation_checkpointing_kwargs"):
+            if f"--{name}" not in self._option_string_actions:
+                old = self._option_string_actions[f"--{name.replace('activation', 'gradient')}"]
+                self.add_argument(f"--{name}", dest=old.dest, type=old.type, nargs=old.nargs, const=old.const,
+                                  help=f"same as --{old.dest} in this transformers release")
+        # TrainingArguments takes "all", "non_padding" or "no" here (or a bool); HfArgumentParser reads `str | bool`
+        # as a bool and refuses "non_padding", the count that tells real tokens from padding.
+        tokens_seen = self._option_string_actions["--include_num_input_tokens_seen"]
+        tokens_seen.type = lambda value: value if value in ("all", "non_padding", "no") else string_to_bool(value)
+        # Activation checkpointing is off unless asked for, in every command. TRL's configs switch it on (through the
+        # name transformers 5.24 deprecates, which warns); TrainingArguments' own default is off: "unset" (None)
+        # where the current name exists, False before.
+        checkpointing_off = TrainingArguments.__dataclass_fields__["gradient_checkpointing"].default
+        self.set_defaults(bf16=None, gradient_checkpointing=checkpointing_off)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, remaining = super().parse_known_args(args, namespace)
+        if namespace.bf16 is None:  # not chosen by the user
+            namespace.bf16 = not namespace.fp16 and hardware_bf16(namespace.use_cpu)
+        return namespace, remaining
+
+
+def parse_args(argv=None, *extra, training_args_class=MiniMindTrainingArguments, **defaults):
     """Parse ModelArguments, DataArguments, *extra dataclasses and the training arguments (last)."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, *extra, training_args_class))
+    parser = ArgumentParser((ModelArguments, DataArguments, *extra, training_args_class))
     parser.set_defaults(**{**TRAINING_DEFAULTS, **defaults})
     return parser.parse_args_into_dataclasses(args=argv)
 
 
-def run_cli(main, argv=None):
-    """Run a script's main; a data error ends it with the message alone and exit code 2, no traceback."""
-    try:
-        return main(argv)
-    except DataFormatError as error:
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
 def setup_run(training_args):
-    """Logging for this process, and the seed set before the model is built so that its init is reproducible."""
+    """Logging and warnings for this process, and the seed set before the model is built so that its init is
+    reproducible."""
     transformers.set_seed(training_args.seed)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
                         handlers=[logging.StreamHandler(sys.stdout)], force=True)
@@ -142,6 +191,9 @@ def setup_run(training_args):
     logger.setLevel(level)
     logging.getLogger("minimind").setLevel(level)
     transformers.utils.logging.set_verbosity(min(level, logging.WARNING))
+    # PEFT 0.21 (LoRA) and TRL 1.16 (DPO, every step) read the `is_gradient_checkpointing` that transformers 5.24
+    # deprecates; the warning asks the user of a command for nothing they could change.
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -157,12 +209,23 @@ def load_tokenizer(model_args):
     return _load_checked_tokenizer(path)
 
 
-def load_datasets(kind, data_args, tokenizer, seed=42):
-    """(train, eval or None) for kind pretrain/sft/dpo. Raises DataFormatError for bad or empty data."""
+def load_datasets(kind, data_args, tokenizer, seed=42, padding_free=False):
+    """(train, eval or None) for kind pretrain/sft/dpo. Raises DataFormatError for bad or empty data.
+
+    DPO pairs are validated here (file:line errors) and stay conversations: TRL tokenises them (prompt = the
+    shared messages, completions = the two final assistant replies)."""
     if not data_args.data_path:
-        raise ValueError("--data_path is required")
-    dataset = build_dataset(kind, data_args.data_path, tokenizer, data_args.max_seq_length,
-                            skip_bad_lines=data_args.skip_bad_lines)
+        raise ValueError("no training data. Fix: pass --data_path FILE.jsonl")
+    if kind == "dpo":
+        from datasets import Dataset
+
+        rows, _ = read_jsonl(data_args.data_path, "dpo", data_args.skip_bad_lines)
+        # Tools as a JSON string: TRL parses it back; as a column of nested structs Arrow would merge its keys.
+        dataset = Dataset.from_list([{"chosen": row["chosen"], "rejected": row["rejected"],
+                                      "tools": json.dumps(row.get("tools") or None)} for row in rows])
+    else:
+        dataset = build_dataset(kind, data_args.data_path, tokenizer, data_args.max_seq_length,
+                                skip_bad_lines=data_args.skip_bad_lines, padding_free=padding_free)
     return split_train_eval(dataset, data_args.eval_fraction, seed)
 
 
@@ -222,6 +285,7 @@ class HFDirectoryMixin:
     def _save(self, output_dir=None, state_dict=None):
         super()._save(output_dir, state_dict)
         if self.args.should_save:
+            restore_model_code(self.model, output_dir or self.args.output_dir)  # FSDP2 saves torch's code instead
             finish_hf_directory(output_dir or self.args.output_dir, self.processing_class, self.args)
 
 
@@ -321,8 +385,10 @@ class DistillationTrainer(CausalLMTrainer):
         loss = outputs.loss
         if model.training:
             with torch.no_grad():
-                teacher_logits = self.teacher_model(input_ids=inputs["input_ids"],
-                                                    attention_mask=inputs.get("attention_mask")).logits
+                # position_ids too: padding-free batches mark where each example starts with them.
+                teacher_inputs = {key: inputs[key] for key in ("input_ids", "attention_mask", "position_ids")
+                                  if key in inputs}
+                teacher_logits = self.teacher_model(**teacher_inputs).logits
             if teacher_logits.shape[-1] != outputs.logits.shape[-1]:
                 raise ValueError(f"teacher vocabulary ({teacher_logits.shape[-1]}) differs from the student's "
                                  f"({outputs.logits.shape[-1]}). Fix: use a teacher with the student's tokenizer.")
@@ -334,24 +400,6 @@ class DistillationTrainer(CausalLMTrainer):
 # --------------------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------------------
-
-class TimeBudgetCallback(TrainerCallback):
-    """Stop training (cleanly: the final save and evaluation still run) once `seconds` of training have passed.
-    The demo uses it so that a slow or busy machine still finishes in a few minutes."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-        self.started = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.monotonic()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if time.monotonic() - self.started > self.seconds:
-            logger.warning("time budget of %.0f s used up at step %d of %d; stopping", self.seconds,
-                           state.global_step, state.max_steps)
-            control.should_training_stop = True
-
 
 def loss_curve(log_history):
     """[(step, training loss)] from Trainer's log history."""
@@ -398,31 +446,41 @@ def train_and_save(trainer, training_args):
     return trainer, metrics
 
 
-def run_causal_lm(kind, model_args, data_args, training_args, trainer_class=CausalLMTrainer, model=None,
-                  **trainer_kwargs):
-    """Pretraining (kind="pretrain": packed blocks) or SFT (kind="sft": per-batch padding). Returns
+def run_training(kind, model_args, data_args, training_args, trainer_class=CausalLMTrainer, adapt_model=None,
+                 **trainer_kwargs):
+    """The one training recipe behind every command: logging and seed, tokenizer, datasets of `kind` (pretrain,
+    sft or dpo; before the model, so that bad data stops the run before anything is built), model (`adapt_model`
+    may wrap it, e.g. in LoRA adapters), collator, `trainer_class`, then train, save and evaluate. Returns
     (trainer, metrics); metrics include eval_loss and eval_perplexity when --eval_fraction > 0."""
     setup_run(training_args)
     tokenizer = load_tokenizer(model_args)
-    train_dataset, eval_dataset = load_datasets(kind, data_args, tokenizer, training_args.seed)
+    train_dataset, eval_dataset = load_datasets(kind, data_args, tokenizer, training_args.seed,
+                                                padding_free=training_args.padding_free)
     logger.info("%s data: %d train / %d eval examples", kind, len(train_dataset),
                 len(eval_dataset) if eval_dataset is not None else 0)
-    model = model if model is not None else build_model(model_args, tokenizer)
-    collator = default_data_collator if kind == "pretrain" else sft_collator(tokenizer)
+    model = build_model(model_args, tokenizer)
+    if adapt_model is not None:
+        model = adapt_model(model)
+    elif kind != "dpo":  # FSDP requested on CPU processes (accelerate ignores it); LoRA and DPO run DDP there
+        model = shard_for_cpu_fsdp(model, training_args)
     if eval_dataset is None:
         training_args.eval_strategy = "no"
+    # DPOTrainer tokenises the pairs and batches them itself.
+    data_collator = None if kind == "dpo" else collator(kind, tokenizer, training_args.padding_free)
     trainer = trainer_class(model=model, args=training_args, train_dataset=train_dataset,
-                            eval_dataset=eval_dataset, data_collator=collator, processing_class=tokenizer,
+                            eval_dataset=eval_dataset, data_collator=data_collator, processing_class=tokenizer,
                             **trainer_kwargs)
     return train_and_save(trainer, training_args)
 
 
-def run_pretrain(model_args, data_args, training_args, **trainer_kwargs):
-    return run_causal_lm("pretrain", model_args, data_args, training_args, **trainer_kwargs)
+def run_pretrain(model_args, data_args, training_args):
+    """Causal-LM pretraining on packed blocks (or, padding-free, on whole documents)."""
+    return run_training("pretrain", model_args, data_args, training_args)
 
 
-def run_sft(model_args, data_args, training_args, **trainer_kwargs):
-    return run_causal_lm("sft", model_args, data_args, training_args, **trainer_kwargs)
+def run_sft(model_args, data_args, training_args):
+    """Chat fine-tuning, loss on assistant replies only."""
+    return run_training("sft", model_args, data_args, training_args)
 
 
 def run_lora(model_args, data_args, lora_args, training_args):
@@ -430,22 +488,20 @@ def run_lora(model_args, data_args, lora_args, training_args):
     to <output_dir>/merged."""
     from peft import LoraConfig, get_peft_model
 
-    setup_run(training_args)
-    tokenizer = load_tokenizer(model_args)
-    train_dataset, eval_dataset = load_datasets(lora_args.data_kind, data_args, tokenizer, training_args.seed)
     lora = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
                       target_modules=lora_args.lora_target_modules, task_type="CAUSAL_LM")
-    model = get_peft_model(build_model(model_args, tokenizer), lora)
-    model.print_trainable_parameters()
-    collator = default_data_collator if lora_args.data_kind == "pretrain" else sft_collator(tokenizer)
-    if eval_dataset is None:
-        training_args.eval_strategy = "no"
-    trainer = CausalLMTrainer(model=model, args=training_args, train_dataset=train_dataset,
-                              eval_dataset=eval_dataset, data_collator=collator, processing_class=tokenizer)
-    trainer, metrics = train_and_save(trainer, training_args)
+
+    def add_adapters(model):
+        model = get_peft_model(model, lora)
+        model.print_trainable_parameters()
+        return model
+
+    trainer, metrics = run_training(lora_args.data_kind, model_args, data_args, training_args,
+                                    adapt_model=add_adapters)
     if lora_args.merge and training_args.should_save:
         merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        save_hf_directory(merged, tokenizer, Path(training_args.output_dir) / "merged", training_args)
+        save_hf_directory(merged, trainer.processing_class, Path(training_args.output_dir) / "merged",
+                          training_args)
     return trainer, metrics
 
 
@@ -454,7 +510,12 @@ def dpo_trainer_class():
     from trl import DPOTrainer
 
     class MiniMindDPOTrainer(HFDirectoryMixin, DPOTrainer):
-        pass
+        """The reference is a frozen copy of the starting model: TRL would reload it from the config's path,
+        which a model built from size flags does not have."""
+
+        def __init__(self, model, args, **kwargs):
+            reference = copy.deepcopy(model).eval().requires_grad_(False)
+            super().__init__(model=model, ref_model=reference, args=args, **kwargs)
 
     return MiniMindDPOTrainer
 
@@ -465,44 +526,17 @@ def dpo_config_class():
     return DPOConfig
 
 
-def load_dpo_datasets(data_args, seed=42):
-    """Validated preference pairs (file:line errors from minimind.data) as conversational rows for TRL, which
-    does the tokenising (prompt = the shared messages, completions = the two final assistant replies)."""
-    from datasets import Dataset
-
-    if not data_args.data_path:
-        raise ValueError("--data_path is required")
-    rows, _ = read_jsonl(data_args.data_path, "dpo", data_args.skip_bad_lines)
-    # Tools as a JSON string: TRL parses it back; as a column of nested structs Arrow would merge its keys.
-    dataset = Dataset.from_list([{"chosen": row["chosen"], "rejected": row["rejected"],
-                                  "tools": json.dumps(row.get("tools") or None)} for row in rows])
-    return split_train_eval(dataset, data_args.eval_fraction, seed)
-
-
 def run_dpo(model_args, data_args, training_args):
     """DPO (sigmoid loss, --beta) with TRL's DPOTrainer against a frozen copy of the starting model."""
-    setup_run(training_args)
-    tokenizer = load_tokenizer(model_args)
-    train_dataset, eval_dataset = load_dpo_datasets(data_args, training_args.seed)
-    model = build_model(model_args, tokenizer)
     training_args.max_length = data_args.max_seq_length  # one length flag for all scripts
-    if training_args.router_aux_loss_coef is None:
-        # TRL treats any config with `output_router_logits` as MoE; dense MiniMind returns no aux loss.
-        training_args.router_aux_loss_coef = model.config.router_aux_loss_coef if model.config.use_moe else 0.0
-    if eval_dataset is None:
-        training_args.eval_strategy = "no"
-    reference = copy.deepcopy(model).eval().requires_grad_(False)
-    trainer = dpo_trainer_class()(model=model, ref_model=reference, args=training_args,
-                                  train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                  processing_class=tokenizer)
-    return train_and_save(trainer, training_args)
+    return run_training("dpo", model_args, data_args, training_args, trainer_class=dpo_trainer_class())
 
 
 def run_distill(model_args, data_args, distill_args, training_args):
     """Knowledge distillation from --teacher_name_or_path into the student (--model_name_or_path or size flags)."""
     if not distill_args.teacher_name_or_path:
-        raise ValueError("--teacher_name_or_path is required")
+        raise ValueError("no teacher. Fix: pass --teacher_name_or_path DIR_OR_ID")
     teacher = load_causal_lm(distill_args.teacher_name_or_path)
-    return run_causal_lm(distill_args.data_kind, model_args, data_args, training_args,
-                         trainer_class=DistillationTrainer, teacher_model=teacher,
-                         temperature=distill_args.temperature, alpha=distill_args.alpha)
+    return run_training(distill_args.data_kind, model_args, data_args, training_args,
+                        trainer_class=DistillationTrainer, teacher_model=teacher,
+                        temperature=distill_args.temperature, alpha=distill_args.alpha)
