@@ -6,6 +6,13 @@ torch is deliberately not pinned to a build: install the torch that fits your ma
 
 from setuptools import find_packages, setup
 
+# The installed commands: `minimind-<name>` runs `minimind.cli.<function>` (scripts/*.py run the same functions).
+COMMANDS = {
+    "pretrain": "pretrain", "sft": "sft", "lora": "lora", "dpo": "dpo", "distill": "distill", "demo": "demo",
+    "chat": "chat", "serve": "serve", "export": "export", "push": "push_to_hub", "convert": "convert",
+    "train-tokenizer": "train_tokenizer", "benchmark": "benchmark",
+}
+
 setup(
     name="minimind",
     version="0.1.0",
@@ -16,6 +23,7 @@ setup(
     python_requires=">=3.10",
     py_modules=["configuration_minimind", "modeling_minimind"],
     packages=find_packages(include=["minimind", "minimind.*"]),
+    entry_points={"console_scripts": [f"minimind-{name}=minimind.cli:{func}" for name, func in COMMANDS.items()]},
     install_requires=[
         "torch>=2.4",
         "transformers>=4.57,<6",

@@ -16,25 +16,27 @@ instead of in the middle of training.  Blank lines are ignored.
 Conventions:
 
 * Pretraining text is wrapped as ``<|im_start|>`` + text + ``<|im_end|>``
-  (bos + text + eos, like upstream MiniMind), concatenated and cut into
-  blocks of exactly ``max_seq_length`` tokens; only the final remainder is
-  dropped.  Blocks may span document boundaries (standard packing; the eos
-  token marks where one text ends).  ``labels == input_ids`` because the
-  model shifts labels internally.  Batch them with
-  ``transformers.default_data_collator``.
+  (bos + text + eos, like upstream MiniMind).  Packed (the default), the
+  texts are concatenated and cut into blocks of exactly ``max_seq_length``
+  tokens; only the final remainder is dropped.  Blocks may span document
+  boundaries (standard packing; the eos token marks where one text ends).
+  Unpacked (padding-free training), each text is its own row, split into
+  pieces of at most ``max_seq_length`` tokens.  ``labels == input_ids``
+  because the model shifts labels internally.
 * Chat rows are rendered with the tokenizer's chat template.  Only assistant
   replies are trained: the reply's tokens and its closing ``<|im_end|>`` get
   real labels, everything else (system/user/tool turns, the
   ``<|im_start|>assistant\\n`` header, the newline after ``<|im_end|>``) is
-  -100.  Rows are truncated to ``max_seq_length`` but not padded; pad per
-  batch with :func:`sft_collator` (SFT) or :class:`DPOCollator` (DPO).
+  -100.  Rows are truncated to ``max_seq_length`` but not padded.
+* :func:`collator` turns rows into batches: padded per batch, or padding-free
+  (a batch's rows concatenated into one, positions restarting at each row).
+  DPO pairs are only validated here; TRL's DPOTrainer tokenises them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -206,16 +208,21 @@ def read_jsonl(path: str | Path, kind: str, skip_bad_lines: bool = False) -> tup
 # Pretraining
 # --------------------------------------------------------------------------
 
-def pack_sequences(batch: dict[str, list], block_size: int) -> dict[str, list]:
-    """Concatenate ``batch["input_ids"]`` and cut into full blocks of ``block_size``; drop the remainder."""
+def _rows(pieces: list[list[int]]) -> dict[str, list]:
+    return {"input_ids": pieces, "labels": [list(p) for p in pieces], "attention_mask": [[1] * len(p) for p in pieces]}
+
+
+def pack_sequences(batch: dict[str, list], length: int) -> dict[str, list]:
+    """Concatenate ``batch["input_ids"]`` and cut into full blocks of ``length``; drop the remainder."""
     stream = list(chain.from_iterable(batch["input_ids"]))
-    usable = len(stream) // block_size * block_size
-    blocks = [stream[i:i + block_size] for i in range(0, usable, block_size)]
-    return {
-        "input_ids": blocks,
-        "labels": [list(b) for b in blocks],
-        "attention_mask": [[1] * block_size for _ in blocks],
-    }
+    return _rows([stream[i:i + length] for i in range(0, len(stream) // length * length, length)])
+
+
+def split_documents(batch: dict[str, list], length: int) -> dict[str, list]:
+    """One row per document, long documents cut into pieces of at most ``length`` tokens. A 1-token piece is
+    dropped: it predicts nothing."""
+    pieces = [ids[i:i + length] for ids in batch["input_ids"] for i in range(0, len(ids), length)]
+    return _rows([piece for piece in pieces if len(piece) > 1])
 
 
 def build_pretrain_dataset(
@@ -223,15 +230,10 @@ def build_pretrain_dataset(
     tokenizer,
     max_seq_length: int,
     skip_bad_lines: bool = False,
-    pack_batch_size: int | None = None,
-    num_proc: int | None = None,
+    packed: bool = True,
 ) -> Dataset:
-    """Packed pretraining blocks (input_ids, labels, attention_mask) of exactly ``max_seq_length`` tokens.
-
-    By default all token ids are packed in one pass so only the last partial
-    block is lost; for very large corpora pass ``pack_batch_size`` (rows per
-    packing batch) to bound memory, at the cost of one partial block per batch.
-    """
+    """Pretraining rows (input_ids, labels, attention_mask): packed blocks of exactly ``max_seq_length`` tokens
+    spanning documents, or (``packed=False``) one row per document of at most ``max_seq_length`` tokens."""
     rows, _ = read_jsonl(path, "pretrain", skip_bad_lines)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
 
@@ -240,11 +242,12 @@ def build_pretrain_dataset(
         return {"input_ids": [[bos, *x, eos] for x in ids]}
 
     dataset = Dataset.from_dict({"text": [row["text"] for row in rows]})
-    dataset = dataset.map(tokenize, batched=True, remove_columns=["text"], num_proc=num_proc,
-                          desc="tokenising pretrain text")
+    dataset = dataset.map(tokenize, batched=True, remove_columns=["text"], desc="tokenising pretrain text")
     n_tokens = sum(len(x) for x in dataset["input_ids"])
-    dataset = dataset.map(pack_sequences, batched=True, batch_size=pack_batch_size,
-                          fn_kwargs={"block_size": max_seq_length}, desc="packing")
+    # batch_size=None: the whole corpus in one pass, so only the last partial block is lost.
+    dataset = dataset.map(pack_sequences if packed else split_documents, batched=True, batch_size=None,
+                          fn_kwargs={"length": max_seq_length},
+                          desc="packing" if packed else "splitting documents")
     if len(dataset) == 0:
         raise DataFormatError(
             f"{path}: only {n_tokens} tokens, fewer than max_seq_length={max_seq_length}, so not one "
@@ -253,7 +256,7 @@ def build_pretrain_dataset(
 
 
 # --------------------------------------------------------------------------
-# Chat (SFT / DPO)
+# Chat (SFT)
 # --------------------------------------------------------------------------
 
 def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
@@ -304,13 +307,14 @@ def _has_targets(labels: list[int]) -> bool:
     return any(label != IGNORE_INDEX for label in labels)
 
 
-def _chat_source(rows: list[dict], keys: tuple[str, ...]) -> Dataset:
+def _chat_source(rows: list[dict]) -> Dataset:
     # Conversations are stored as JSON strings: Arrow would otherwise merge
     # the keys of all messages / tool arguments into one struct type and add
     # null fields that the chat template would then render.
-    columns = {key: [json.dumps(row[key], ensure_ascii=False) for row in rows] for key in keys}
-    columns["tools"] = [json.dumps(row.get("tools") or [], ensure_ascii=False) for row in rows]
-    return Dataset.from_dict(columns)
+    return Dataset.from_dict({
+        "conversations": [json.dumps(row["conversations"], ensure_ascii=False) for row in rows],
+        "tools": [json.dumps(row.get("tools") or [], ensure_ascii=False) for row in rows],
+    })
 
 
 def _drop_report(path, kind: str, before: int, after: int, max_seq_length: int) -> None:
@@ -328,12 +332,11 @@ def build_sft_dataset(
     tokenizer,
     max_seq_length: int,
     skip_bad_lines: bool = False,
-    num_proc: int | None = None,
 ) -> Dataset:
     """SFT rows (input_ids, labels, attention_mask), assistant-only labels, truncated, unpadded.
 
     Rows whose assistant tokens are all cut off by truncation are dropped (with
-    a warning).  Pad batches with :func:`sft_collator`.
+    a warning).  Batch them with :func:`collator`.
     """
     rows, _ = read_jsonl(path, "sft", skip_bad_lines)
 
@@ -346,90 +349,42 @@ def build_sft_dataset(
                     out[key].append(example[key])
         return out
 
-    source = _chat_source(rows, ("conversations",))
-    dataset = source.map(encode, batched=True, remove_columns=source.column_names, num_proc=num_proc,
-                         desc="tokenising SFT chats")
+    source = _chat_source(rows)
+    dataset = source.map(encode, batched=True, remove_columns=source.column_names, desc="tokenising SFT chats")
     _drop_report(path, "sft", len(rows), len(dataset), max_seq_length)
     return dataset
 
 
-def build_dpo_dataset(
-    path: str | Path,
-    tokenizer,
-    max_seq_length: int,
-    skip_bad_lines: bool = False,
-    num_proc: int | None = None,
-) -> Dataset:
-    """DPO rows with chosen_/rejected_ input_ids, labels, attention_mask (assistant-only labels).
-
-    A row is dropped (with a warning) when truncation removes all assistant
-    tokens of either side.  Pad batches with :class:`DPOCollator`.
-    """
-    rows, _ = read_jsonl(path, "dpo", skip_bad_lines)
-    sides = ("chosen", "rejected")
-
-    def encode(batch):
-        out = {f"{side}_{field}": [] for side in sides for field in ("input_ids", "labels", "attention_mask")}
-        for i in range(len(batch["chosen"])):
-            tools = json.loads(batch["tools"][i])
-            encoded = {side: encode_chat(tokenizer, json.loads(batch[side][i]), tools, max_seq_length)
-                       for side in sides}
-            if all(_has_targets(e["labels"]) for e in encoded.values()):
-                for side, example in encoded.items():
-                    for field, value in example.items():
-                        out[f"{side}_{field}"].append(value)
-        return out
-
-    source = _chat_source(rows, sides)
-    dataset = source.map(encode, batched=True, remove_columns=source.column_names, num_proc=num_proc,
-                         desc="tokenising DPO pairs")
-    _drop_report(path, "dpo", len(rows), len(dataset), max_seq_length)
-    return dataset
-
-
-def build_dataset(kind: str, path: str | Path, tokenizer, max_seq_length: int, **kwargs) -> Dataset:
-    """Dispatch to build_{pretrain,sft,dpo}_dataset by ``kind``."""
-    builders = {"pretrain": build_pretrain_dataset, "sft": build_sft_dataset, "dpo": build_dpo_dataset}
-    if kind not in builders:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    return builders[kind](path, tokenizer, max_seq_length, **kwargs)
+def build_dataset(kind: str, path: str | Path, tokenizer, max_seq_length: int, skip_bad_lines: bool = False,
+                  padding_free: bool = False) -> Dataset:
+    """Tokenised rows of a pretrain or sft file; padding-free pretraining keeps documents apart."""
+    if kind == "pretrain":
+        return build_pretrain_dataset(path, tokenizer, max_seq_length, skip_bad_lines, packed=not padding_free)
+    if kind == "sft":
+        return build_sft_dataset(path, tokenizer, max_seq_length, skip_bad_lines)
+    raise ValueError(f"kind must be 'pretrain' or 'sft', got {kind!r} (DPO pairs are tokenised by TRL)")
 
 
 # --------------------------------------------------------------------------
 # Batching and splitting
 # --------------------------------------------------------------------------
 
-def sft_collator(tokenizer, pad_to_multiple_of: int | None = None):
-    """Right-pad SFT batches: input_ids with pad id, attention_mask with 0, labels with -100.
+def collator(kind: str, tokenizer, padding_free: bool = False):
+    """The data collator for ``kind`` rows.
 
-    transformers' DataCollatorForSeq2Seq does exactly this for decoder-only
-    features too (it pads ``labels`` itself and the rest via ``tokenizer.pad``).
+    Padding-free: the batch's rows concatenated into one row of shape [1, total tokens] with ``position_ids``
+    restarting at 0 for each row and no padding tokens (transformers' DataCollatorWithFlattening); the first
+    label of each row becomes -100, so no row is trained to predict the next one.  Otherwise packed pretraining
+    blocks stack as they are, and chats are right-padded per batch: input_ids with the pad id, attention_mask
+    with 0, labels with -100 (DataCollatorForSeq2Seq does exactly that for decoder-only rows too).
     """
-    from transformers import DataCollatorForSeq2Seq
+    from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, default_data_collator
 
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX,
-                                  pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")
-
-
-@dataclass
-class DPOCollator:
-    """Right-pad chosen and rejected sides to one common length, so they can share a forward pass."""
-
-    pad_token_id: int
-    label_pad_token_id: int = IGNORE_INDEX
-
-    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, Any]:
-        import torch
-
-        length = max(len(f[f"{side}_input_ids"]) for f in features for side in ("chosen", "rejected"))
-        fill = {"input_ids": self.pad_token_id, "labels": self.label_pad_token_id, "attention_mask": 0}
-        batch = {}
-        for side in ("chosen", "rejected"):
-            for field, value in fill.items():
-                key = f"{side}_{field}"
-                batch[key] = torch.tensor([f[key] + [value] * (length - len(f[key])) for f in features],
-                                          dtype=torch.long)
-        return batch
+    if padding_free:
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+    if kind == "pretrain":
+        return default_data_collator
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
 
 
 def split_train_eval(dataset: Dataset, eval_fraction: float, seed: int = 42) -> tuple[Dataset, Dataset | None]:

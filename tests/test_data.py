@@ -1,4 +1,4 @@
-"""minimind.data: validation messages, packing, assistant-only labels, collators, splits."""
+"""minimind.data: validation messages, packing, assistant-only labels, padded and padding-free batches, splits."""
 
 import json
 import logging
@@ -11,8 +11,8 @@ import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from minimind.data import (  # noqa: E402
-    IGNORE_INDEX, DataFormatError, DPOCollator, build_dpo_dataset, build_pretrain_dataset, build_sft_dataset,
-    encode_chat, read_jsonl, sft_collator, split_train_eval,
+    IGNORE_INDEX, DataFormatError, build_pretrain_dataset, build_sft_dataset, collator, encode_chat, read_jsonl,
+    split_train_eval,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +194,7 @@ def test_sft_truncation_and_drop(tmp_path, tok, caplog):
 def test_sft_collator_pads(tmp_path, tok):
     path = write_lines(tmp_path / "c.jsonl", [GOOD["sft"], {"conversations": chat(("Hi", "Hello there, friend!"))}])
     dataset = build_sft_dataset(path, tok, 128)
-    batch = sft_collator(tok)([dataset[0], dataset[1]])
+    batch = collator("sft", tok)([dataset[0], dataset[1]])
     lengths = [len(dataset[i]["input_ids"]) for i in range(2)]
     assert batch["input_ids"].shape == (2, max(lengths))
     short = lengths.index(min(lengths))
@@ -203,23 +203,34 @@ def test_sft_collator_pads(tmp_path, tok):
     assert batch["attention_mask"].sum().item() == sum(lengths)
 
 
-def test_dpo_dataset_and_collator(tmp_path, tok):
-    row = {"chosen": chat(("What is 2 plus 2?", "2 plus 2 is 4.")),
-           "rejected": chat(("What is 2 plus 2?", "2 plus 2 is 5, or maybe 6."))}
-    path = write_lines(tmp_path / "d.jsonl", [row, GOOD["dpo"]])
-    dataset = build_dpo_dataset(path, tok, 128)
-    first = dataset[0]
-    chosen = {"input_ids": first["chosen_input_ids"], "labels": first["chosen_labels"]}
-    rejected = {"input_ids": first["rejected_input_ids"], "labels": first["rejected_labels"]}
-    assert assistant_targets(tok, chosen) == ["2 plus 2 is 4.<|im_end|>"]
-    assert assistant_targets(tok, rejected) == ["2 plus 2 is 5, or maybe 6.<|im_end|>"]
+@pytest.mark.parametrize("kind", ["pretrain", "sft"])
+def test_padding_free_batch_is_one_row_with_restarting_positions(tmp_path, tok, kind):
+    if kind == "sft":
+        path = write_lines(tmp_path / "c.jsonl", [GOOD["sft"], {"conversations": chat(("Hi", "Hello there!"))}])
+        rows = build_sft_dataset(path, tok, 128)
+    else:
+        path = write_lines(tmp_path / "p.jsonl", [{"text": "The sky is blue."}, {"text": "Snow is white. " * 3}])
+        rows = build_pretrain_dataset(path, tok, 8, packed=False)
+    features = [rows[i] for i in range(len(rows))]
+    batch = collator(kind, tok, padding_free=True)(features)
+    lengths = [len(f["input_ids"]) for f in features]
+    assert batch["input_ids"].shape == (1, sum(lengths)) and "attention_mask" not in batch
+    assert batch["input_ids"][0].tolist() == [t for f in features for t in f["input_ids"]]
+    assert batch["position_ids"][0].tolist() == [p for n in lengths for p in range(n)]
+    # No row learns to predict the next row's first token; every other label is the row's own.
+    expected = [label for f in features for label in [IGNORE_INDEX, *f["labels"][1:]]]
+    assert batch["labels"][0].tolist() == expected
 
-    batch = DPOCollator(tok.pad_token_id)([dataset[0], dataset[1]])
-    length = max(len(dataset[i][k]) for i in range(2) for k in ("chosen_input_ids", "rejected_input_ids"))
-    for key, value in batch.items():
-        assert value.shape == (2, length), key
-    assert batch["chosen_labels"][0, len(chosen["labels"]):].eq(IGNORE_INDEX).all()
-    assert batch["chosen_attention_mask"][0].sum().item() == len(chosen["input_ids"])
+
+def test_unpacked_pretraining_keeps_documents_apart(tmp_path, tok):
+    texts = ["The sky is blue.", "Snow is white and coal is black. " * 4]
+    path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts])
+    dataset = build_pretrain_dataset(path, tok, 16, packed=False)
+    documents = [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False), tok.eos_token_id] for t in texts]
+    pieces = [d[i:i + 16] for d in documents for i in range(0, len(d), 16)]
+    assert dataset["input_ids"] == [p for p in pieces if len(p) > 1]  # split at 16, nothing lost but 1-token tails
+    assert dataset["labels"] == dataset["input_ids"]
+    assert len(documents[1]) > 32  # the long text really was split
 
 
 def test_split_train_eval(tmp_path, tok):

@@ -187,11 +187,13 @@ def ask_chat(client, request, stream):
 
 
 def test_serve_script_binds_loopback_by_default(monkeypatch, generator, tmp_path):
-    script = load_script("serve")
+    import minimind.chat
+    import minimind.serving
+
     calls = []
-    monkeypatch.setattr(script, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
-    monkeypatch.setattr(script, "serve", lambda app, host, port: calls.append((app, host, port)))
-    script.main(["--model_name_or_path", str(tmp_path / "my-model"), "--max_context", "64"])
+    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: calls.append((app, host, port)))
+    load_script("serve").main(["--model_name_or_path", str(tmp_path / "my-model"), "--max_context", "64"])
     app, host, port = calls[0]
     assert (host, port) == ("127.0.0.1", 8000)
     assert {route.path for route in app.routes} >= {"/v1/models", "/v1/chat/completions", "/v1/completions"}

@@ -115,6 +115,64 @@ def test_sft_pads_batches_and_chats_after_reload(pretrained, data, tmp_path):
     assert reply.shape[1] > prompt["input_ids"].shape[1]
 
 
+def test_padding_free_sft_gives_the_padded_loss(pretrained, data, tmp_path):
+    """--padding_free trains on the same batches as padded SFT, each batch one row without a padding token, and
+    gives the same losses: the model keeps attention inside each chat of the row."""
+    losses, trainers = {}, {}
+    for name, extra in (("padded", []), ("padding_free", ["--padding_free"])):
+        trainers[name], _ = load_script("sft").main(
+            ["--model_name_or_path", pretrained[0], "--data_path", data["sft"], "--output_dir", str(tmp_path / name),
+             "--max_steps", "3", "--learning_rate", "3e-3", "--eval_fraction", "0", "--max_seq_length", "96",
+             *FAST, *extra])
+        losses[name] = logged_losses(trainers[name])
+    assert losses["padding_free"] == pytest.approx(losses["padded"], abs=1e-5), losses
+
+    padded = next(iter(trainers["padded"].get_train_dataloader()))
+    flat = next(iter(trainers["padding_free"].get_train_dataloader()))
+    real = padded["attention_mask"].bool()
+    assert flat["input_ids"].shape == (1, real.sum()) and (~real).any()  # the padding is gone, nothing else
+    assert flat["input_ids"][0].tolist() == padded["input_ids"][real].tolist()
+    starts = (flat["position_ids"][0] == 0).nonzero().flatten().tolist()
+    assert starts == [0, *real.sum(1).cumsum(0)[:-1].tolist()]  # positions restart at every chat
+
+
+def test_precision_follows_the_hardware_unless_chosen(monkeypatch):
+    """Unset, bf16 where a CUDA GPU supports it and fp32 elsewhere (TRL's DPOConfig alone would pick bf16 and refuse
+    to start on a CPU); --bf16, --no_bf16 and --fp16 from the user win."""
+    from trl import DPOConfig
+
+    from minimind.training import ArgumentParser, DataArguments, ModelArguments, parse_args
+
+    def bf16(argv, gpu):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: gpu)
+        namespace, _ = ArgumentParser((ModelArguments, DataArguments, DPOConfig)).parse_known_args(argv)
+        return namespace.bf16
+
+    assert (bf16([], gpu=True), bf16([], gpu=False)) == (True, False)
+    assert (bf16(["--use_cpu"], gpu=True), bf16(["--no_bf16"], gpu=True), bf16(["--fp16"], gpu=True)) == \
+        (False, False, False)
+    assert bf16(["--bf16"], gpu=False) is True
+    monkeypatch.undo()
+    *_, dpo_args = parse_args(["--output_dir", "x"], training_args_class=DPOConfig)
+    assert dpo_args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def test_activation_checkpointing_is_off_by_default_and_one_flag_turns_it_on(recwarn):
+    """Every script starts with checkpointing off (TRL's DPOConfig would switch it on, through the name that
+    transformers 5.24 deprecates); --activation_checkpointing turns it on, also where only the old name exists."""
+    from trl import DPOConfig
+
+    from minimind.training import parse_args
+
+    for args_class in (None, DPOConfig):
+        kwargs = {"training_args_class": args_class} if args_class else {}
+        *_, off = parse_args(["--output_dir", "x"], **kwargs)
+        *_, on = parse_args(["--output_dir", "x", "--activation_checkpointing"], **kwargs)
+        assert (bool(off.gradient_checkpointing), on.gradient_checkpointing) == (False, True)
+    assert not [w for w in recwarn if "gradient_checkpointing" in str(w.message)]
+
+
 def test_lora_targets_projections_not_router():
     from peft import LoraConfig, get_peft_model
 
@@ -188,24 +246,22 @@ def test_distill_from_saved_teacher_lowers_loss(pretrained, data, tmp_path):
 
 
 def test_malformed_line_stops_before_training(data, tmp_path, capsys):
-    from minimind.data import DataFormatError
-    from minimind.training import run_cli
-
     lines = Path(data["pretrain"]).read_text(encoding="utf-8").splitlines(keepends=True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(lines[:2]) + '{"text": "unterminated\n' + "".join(lines[2:10]), encoding="utf-8")
     out = tmp_path / "out"
     argv = ["--data_path", str(bad), "--output_dir", str(out), "--max_steps", "2", *TINY_MODEL, *FAST]
     with pytest.raises(SystemExit) as exit_info:
-        run_cli(load_script("pretrain").main, argv)
+        load_script("pretrain").main(argv)
     assert exit_info.value.code == 2
     assert f"{bad}, line 3" in capsys.readouterr().err
     assert not out.exists()  # nothing was trained or saved
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n", encoding="utf-8")
-    with pytest.raises(DataFormatError, match="no valid"):
+    with pytest.raises(SystemExit) as exit_info:
         load_script("sft").main(["--data_path", str(empty), "--output_dir", str(out), *TINY_MODEL, *FAST])
+    assert exit_info.value.code == 2 and f"error: {empty}: no valid sft examples" in capsys.readouterr().err
 
 
 def subprocess_env():

@@ -1,0 +1,381 @@
+"""Every MiniMind command line, one function per command: the `minimind-*` console scripts and `scripts/*.py`.
+
+Argument parsing for all commands lives here, apart from the modules that do the work, so each of those stays a
+library (no argparse, nothing read from sys.argv) and every command is reachable the same two ways:
+`minimind-pretrain ...` after `pip install -e .`, or `python scripts/pretrain.py ...` in a checkout. Each function
+takes `argv` (default: the process's arguments) and, given one, returns what it made, so tests call them
+in-process. Work modules are imported inside the functions: `minimind-chat --help` needs neither TRL nor fastapi.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+
+def command(run):
+    """A command line: bad input data ends it with the message alone and exit code 2, no traceback. Called with
+    `argv` it returns what the command made; run as a program (argv=None) it returns None, because console
+    scripts hand the return value to sys.exit, where anything else becomes an error exit."""
+
+    @functools.wraps(run)
+    def main(argv=None):
+        from minimind.data import DataFormatError
+
+        try:
+            result = run(argv)
+        except DataFormatError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return result if argv is not None else None
+
+    return main
+
+
+def _parser(doc):
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training (every TrainingArguments flag, see minimind.training)
+# --------------------------------------------------------------------------------------------------------------
+
+@command
+def pretrain(argv=None):
+    """Pretrain MiniMind on packed text blocks (data/pretrain.jsonl format: {"text": ...} per line).
+
+    minimind-pretrain --output_dir out/pretrain --hidden_size 512 --num_hidden_layers 8 --max_steps 2000
+    accelerate launch --num_processes 2 scripts/pretrain.py ...      # or: torchrun --nproc_per_node 2 ...
+    """
+    from minimind.training import BUNDLED_DATA, parse_args, run_pretrain
+
+    model_args, data_args, training_args = parse_args(argv, output_dir="out/pretrain",
+                                                      data_path=BUNDLED_DATA["pretrain"])
+    return run_pretrain(model_args, data_args, training_args)
+
+
+@command
+def sft(argv=None):
+    """Supervised fine-tuning on chats (data/sft.jsonl format); only assistant replies are trained."""
+    from minimind.training import BUNDLED_DATA, parse_args, run_sft
+
+    model_args, data_args, training_args = parse_args(argv, output_dir="out/sft", data_path=BUNDLED_DATA["sft"])
+    return run_sft(model_args, data_args, training_args)
+
+
+@command
+def lora(argv=None):
+    """LoRA fine-tuning with PEFT; with --merge also a full merged model in <output_dir>/merged."""
+    from minimind.training import BUNDLED_DATA, LoraArguments, parse_args, run_lora
+
+    model_args, data_args, lora_args, training_args = parse_args(argv, LoraArguments, output_dir="out/lora",
+                                                                 data_path=BUNDLED_DATA["sft"])
+    return run_lora(model_args, data_args, lora_args, training_args)
+
+
+@command
+def dpo(argv=None):
+    """Direct preference optimisation with TRL's DPOTrainer (data/dpo.jsonl format); every DPOConfig flag."""
+    from minimind.training import BUNDLED_DATA, dpo_config_class, parse_args, run_dpo
+
+    model_args, data_args, training_args = parse_args(argv, training_args_class=dpo_config_class(),
+                                                      output_dir="out/dpo", data_path=BUNDLED_DATA["dpo"])
+    return run_dpo(model_args, data_args, training_args)
+
+
+@command
+def distill(argv=None):
+    """Knowledge distillation from any causal LM teacher that shares the student's vocabulary."""
+    from minimind.training import BUNDLED_DATA, DistillArguments, parse_args, run_distill
+
+    model_args, data_args, distill_args, training_args = parse_args(
+        argv, DistillArguments, output_dir="out/distill", data_path=BUNDLED_DATA["sft"])
+    return run_distill(model_args, data_args, distill_args, training_args)
+
+
+@command
+def demo(argv=None):
+    """The whole MiniMind pipeline in about five minutes on a CPU: pretrain a small model on the bundled corpus,
+    fine-tune it on the bundled chats, save a Hugging Face directory, reload it with AutoModelForCausalLM
+    (trust_remote_code=True) and check its greedy answers to the README's questions.
+
+    minimind-demo                        # writes runs/demo/{pretrain,sft}
+    """
+    from minimind.demo import DemoSettings, run_demo
+
+    defaults = DemoSettings()
+    parser = _parser(demo.__doc__)
+    parser.add_argument("--output_dir", default=defaults.output_dir)
+    parser.add_argument("--pretrain_steps", type=int, default=defaults.pretrain_steps)
+    parser.add_argument("--sft_steps", type=int, default=defaults.sft_steps)
+    parser.add_argument("--hidden_size", type=int, default=defaults.hidden_size)
+    parser.add_argument("--num_hidden_layers", type=int, default=defaults.num_hidden_layers)
+    parser.add_argument("--max_seq_length", type=int, default=defaults.max_seq_length,
+                        help="pretraining block length")
+    parser.add_argument("--sft_max_seq_length", type=int, default=defaults.sft_max_seq_length,
+                        help="the bundled chats are short")
+    parser.add_argument("--logging_steps", type=int, default=defaults.logging_steps)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--threads", type=int, default=defaults.threads,
+                        help="torch threads; results are reproducible at a fixed count")
+    return run_demo(DemoSettings(**vars(parser.parse_args(argv))))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Using a model: chat, serve, export, publish, import
+# --------------------------------------------------------------------------------------------------------------
+
+def _add_model_flags(parser):
+    from minimind.chat import DTYPES
+
+    parser.add_argument("--model_name_or_path", required=True, help="a model directory (or Hub id) with tokenizer")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+
+
+@command
+def chat(argv=None):
+    """Chat with a MiniMind checkpoint in the terminal, the reply streamed token by token.
+
+    minimind-chat --model_name_or_path runs/sft --temperature 0.7 --top_p 0.9
+
+    Type a message and press Enter. /reset starts a new conversation, /exit (or Ctrl-D) quits.
+    """
+    from minimind import chat as engine
+
+    parser = _parser(chat.__doc__)
+    _add_model_flags(parser)
+    parser.add_argument("--system_prompt", default=None)
+    parser.add_argument("--max_new_tokens", type=int, default=512)
+    parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=True,
+                        help="sample (default) or, with --no-do_sample, decode greedily")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top_p", type=float, default=0.9)
+    parser.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
+    args = parser.parse_args(argv)
+    model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
+    params = engine.SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    engine.chat_loop(model, tokenizer, params, system_prompt=args.system_prompt, read_line=input, out=sys.stdout)
+
+
+@command
+def serve(argv=None):
+    """Serve a MiniMind checkpoint over an OpenAI-compatible HTTP API.
+
+    minimind-serve --model_name_or_path runs/sft --port 8000
+
+    Then point any OpenAI client at http://127.0.0.1:8000/v1 (the API key is not checked).
+    """
+    import os
+
+    from minimind import serving
+    from minimind.chat import load_model_and_tokenizer
+
+    parser = _parser(serve.__doc__)
+    _add_model_flags(parser)
+    parser.add_argument("--served_model_name", default=None,
+                        help="the `model` name clients must send (default: the directory's name)")
+    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (no auth!)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max_context", type=int, default=None,
+                        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--default_max_tokens", type=int, default=serving.DEFAULT_MAX_TOKENS,
+                        help="completion length when a request sets no max_tokens")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
+    model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
+    generator = serving.Generator(model, tokenizer, model_id, max_context=args.max_context,
+                                  default_max_tokens=args.default_max_tokens)
+    serving.serve(serving.create_app(generator), host=args.host, port=args.port)
+
+
+@command
+def export(argv=None):
+    """Export a MiniMind model directory to a native transformers Qwen3 checkpoint or to GGUF (llama.cpp).
+
+    minimind-export --to qwen3 --model_name_or_path runs/sft --output_dir runs/sft-qwen3
+    minimind-export --to gguf  --model_name_or_path runs/sft --output_dir runs/gguf --outtype f16
+
+    The tokenizer is taken from the model directory unless --tokenizer_name_or_path says otherwise.
+    Settings the target cannot reproduce exactly (e.g. qk_norm=False) stop the export with a ValueError.
+    """
+    from pathlib import Path
+
+    from minimind.export import GGUF_OUTTYPES, export_gguf, export_qwen3
+
+    parser = _parser(export.__doc__)
+    parser.add_argument("--to", required=True, choices=("qwen3", "gguf"),
+                        help="qwen3: transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM; gguf: llama.cpp file")
+    parser.add_argument("--model_name_or_path", required=True, help="MiniMind directory (save_pretrained)")
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--tokenizer_name_or_path", default=None)
+    parser.add_argument("--outtype", choices=GGUF_OUTTYPES, default="f16", help="gguf only: tensor precision")
+    parser.add_argument("--outfile", default=None,
+                        help="gguf only: file name inside --output_dir (default: <model dir name>-<outtype>.gguf)")
+    args = parser.parse_args(argv)
+    if args.to == "qwen3":
+        written = export_qwen3(args.model_name_or_path, args.output_dir, args.tokenizer_name_or_path)
+    else:
+        name = args.outfile or f"{Path(args.model_name_or_path).resolve().name}-{args.outtype}.gguf"
+        written = export_gguf(args.model_name_or_path, Path(args.output_dir) / name,
+                              args.tokenizer_name_or_path, outtype=args.outtype)
+    print(f"wrote {written}")
+    return written
+
+
+@command
+def push_to_hub(argv=None):
+    """Publish a MiniMind model directory on the Hugging Face Hub with a generated model card.
+
+    minimind-push --model_name_or_path runs/sft --repo_id you/minimind-sft
+    minimind-push --model_name_or_path runs/sft --repo_id you/minimind-sft --tokenizer_name_or_path tokenizer --private
+
+    Log in first (`hf auth login`) or pass --token / set HF_TOKEN.
+    """
+    from minimind.hub import DEFAULT_LICENSE, push_model_dir
+
+    parser = _parser(push_to_hub.__doc__)
+    parser.add_argument("--model_name_or_path", required=True, help="directory written by save_pretrained")
+    parser.add_argument("--repo_id", required=True, help="USER/NAME on the Hub")
+    parser.add_argument("--tokenizer_name_or_path", default=None,
+                        help="tokenizer directory, if the model directory has no tokenizer files")
+    parser.add_argument("--private", action="store_true", help="create the repository as private")
+    parser.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
+    parser.add_argument("--license", default=DEFAULT_LICENSE, help="license id for the model card")
+    parser.add_argument("--commit_message", default="Upload MiniMind model")
+    args = parser.parse_args(argv)
+    commit = push_model_dir(args.model_name_or_path, args.repo_id, tokenizer_dir=args.tokenizer_name_or_path,
+                            private=args.private or None, token=args.token, license=args.license,
+                            commit_message=args.commit_message)
+    print(f"published {args.model_name_or_path} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
+    return commit
+
+
+_CONVERT_INT_FLAGS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts",
+                      "num_experts_per_tok", "moe_intermediate_size")
+_CONVERT_FLOAT_FLAGS = ("rope_theta", "rms_norm_eps")
+_CONVERT_BOOL_FLAGS = ("use_moe", "qk_norm", "tie_word_embeddings", "norm_topk_prob", "inference_rope_scaling")
+
+
+@command
+def convert(argv=None):
+    """Import an upstream MiniMind .pth checkpoint into a MiniMind Hugging Face directory.
+
+    minimind-convert --pth full_sft_768.pth --output_dir runs/upstream-768 \\
+        --hidden_size 768 --num_hidden_layers 8 --tokenizer_name_or_path tokenizer
+    minimind-convert --pth full_sft_640_moe.pth --config_json upstream_config.json --output_dir runs/upstream-moe
+
+    Settings come from --config_json (upstream names such as n_routed_experts are accepted), then the flags
+    below override them; anything unset takes MiniMindConfig's default. Keys that do not match are listed by
+    name. The result loads with AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True).
+    """
+    from minimind.convert import config_from_upstream_settings, convert_upstream_checkpoint, read_settings_json
+
+    parser = _parser(convert.__doc__)
+    # --model_name_or_path like every other command: here the model to import is the upstream .pth file.
+    parser.add_argument("--pth", "--model_name_or_path", dest="pth", required=True,
+                        help="upstream state dict saved with torch.save (the model to import)")
+    parser.add_argument("--output_dir", required=True, help="MiniMind model directory to write")
+    parser.add_argument("--config_json", default=None, help="JSON object of upstream/MiniMind config settings")
+    parser.add_argument("--tokenizer_name_or_path", default=None, help="tokenizer directory to copy along")
+    for name in _CONVERT_INT_FLAGS:
+        parser.add_argument(f"--{name}", type=int, default=None)
+    for name in _CONVERT_FLOAT_FLAGS:
+        parser.add_argument(f"--{name}", type=float, default=None)
+    for name in _CONVERT_BOOL_FLAGS:  # --use_moe / --no_use_moe; unset = from the JSON or MiniMindConfig's default
+        switch = parser.add_mutually_exclusive_group()
+        switch.add_argument(f"--{name}", dest=name, action="store_true", default=None)
+        switch.add_argument(f"--no_{name}", dest=name, action="store_false", default=None)
+    args = parser.parse_args(argv)
+    settings = read_settings_json(args.config_json) if args.config_json else {}
+    settings.update({name: getattr(args, name) for name in _CONVERT_INT_FLAGS + _CONVERT_FLOAT_FLAGS
+                     + _CONVERT_BOOL_FLAGS if getattr(args, name) is not None})
+    model = convert_upstream_checkpoint(args.pth, config_from_upstream_settings(settings), args.output_dir,
+                                        args.tokenizer_name_or_path)
+    print(f"wrote {args.output_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"dtype {model.dtype}")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizer and benchmark
+# --------------------------------------------------------------------------------------------------------------
+
+@command
+def train_tokenizer(argv=None):
+    """Train MiniMind's byte-level BPE tokenizer and save it for transformers.
+
+    minimind-train-tokenizer                       # bundled data -> tokenizer/
+    minimind-train-tokenizer --files my.jsonl --vocab_size 6400 --output_dir out/
+
+    Input files may be MiniMind JSONL (pretrain / SFT / DPO) or plain text.
+    """
+    import logging
+    from pathlib import Path
+
+    from minimind.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer as train
+    from minimind.training import BUNDLED_DATA, BUNDLED_TOKENIZER
+
+    parser = _parser(train_tokenizer.__doc__)
+    parser.add_argument("--files", nargs="+", type=Path, default=[Path(path) for path in BUNDLED_DATA.values()],
+                        help="training text: .jsonl corpora or plain text files (default: bundled data/)")
+    # Underscored like every other command's flags; the dashed spellings stay as aliases.
+    parser.add_argument("--vocab_size", "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--min_frequency", "--min-frequency", type=int, default=2)
+    parser.add_argument("--output_dir", "--output-dir", type=Path, default=BUNDLED_TOKENIZER)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    tokenizer = train(args.files, vocab_size=args.vocab_size, output_dir=args.output_dir,
+                      min_frequency=args.min_frequency)
+    print(f"saved tokenizer with {len(tokenizer)} tokens to {args.output_dir}")
+    return tokenizer
+
+
+@command
+def benchmark(argv=None):
+    """Benchmark MiniMind against transformers' Qwen3 / Qwen3-MoE (same weights, same run) and write the table.
+
+    minimind-benchmark                       # full run (about 10 minutes on 2 CPU cores)
+    minimind-benchmark --quick --output /tmp/bench.md
+    minimind-benchmark --rows 'decode-*' --device cuda
+    """
+    import torch
+
+    from minimind.benchmark import BenchmarkSettings, run_benchmark
+
+    parser = _parser(benchmark.__doc__)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat: checks every code path")
+    parser.add_argument("--rows", nargs="*", default=[], help="row ids or glob patterns (default: all rows)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per model (default 4, decode 2, quick 1)")
+    parser.add_argument("--warmup", type=int, help="untimed runs per model first (default 1, train 2)")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                        help="torch.compile the static-cache decode row (auto: on for cuda only)")
+    parser.add_argument("--attn", default="sdpa", help="attention kernel for both models, e.g. flash_attention_2")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--profile", nargs="*", default=[],
+                        help="row ids or glob patterns: print torch.profiler's op table for ours and native")
+    parser.add_argument("--output", default="docs/benchmarks.md", help="markdown file to write ('-' = none)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = BenchmarkSettings(device=args.device, quick=args.quick, rows=args.rows, repeats=args.repeats,
+                                 warmup=args.warmup, compile=args.compile, attn_implementation=args.attn,
+                                 profile=args.profile,
+                                 command=" ".join(["minimind-benchmark", *(argv or sys.argv[1:])]))
+
+    def write(report):
+        if args.output != "-":
+            with open(args.output, "w") as out:
+                out.write(report.markdown())
+
+    # The file is rewritten after every row, so a run stopped early still leaves the rows it finished.
+    report = run_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True), on_row=write)
+    write(report)
+    print(report.table())
+    if args.output != "-":
+        print(f"wrote {args.output}", file=sys.stderr)
+    return report
