@@ -78,6 +78,21 @@ def test_flash_attention_2_matches_sdpa():
         assert relative_error(fa(ids).logits, sd(ids).logits) < 0.02
 
 
+def test_flash_attention_2_varlen_on_packed_rows_equals_separate_sequences():
+    """Padding-free rows (restarting position_ids, no mask): flash-attention 2 takes its varlen path from the
+    positions and keeps each sequence to itself."""
+    if not ON_CUDA:
+        pytest.skip("flash_attention_2 needs a CUDA GPU")
+    pytest.importorskip("flash_attn")
+    model = tiny_model(std=0.1, attn_implementation="flash_attention_2").to(DEVICE, torch.bfloat16)
+    sequences = [ids_on_device(1, 10, seed=1), ids_on_device(1, 7, seed=2)]
+    positions = torch.cat([torch.arange(10), torch.arange(7)])[None].to(DEVICE)
+    with torch.no_grad():
+        packed = model(torch.cat(sequences, dim=1), position_ids=positions).logits[0]
+        apart = torch.cat([model(s).logits[0] for s in sequences])
+    assert relative_error(packed, apart) < 0.02
+
+
 # ------------------------------------------------------------------------------------------------------
 # Parity with transformers' Qwen3 / Qwen3-MoE on the device
 # ------------------------------------------------------------------------------------------------------
