@@ -36,7 +36,7 @@ test-llama-cpp:
 	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_export.py -q -k llama_cpp
 
 # transformers' own common model tests (ModelTesterMixin & co.) on MiniMind, Qwen3 alongside. They are fetched from
-# the installed transformers' sdist on PyPI at test time (never copied here); ~6 minutes, ~2 with RUN_TRAINING_TESTS=0.
+# the installed transformers' sdist on PyPI at test time (never copied here); 40 s on a quiet 2-core machine, up to 6 minutes on a busy one.
 test-transformers-common:
 	PYTHON=$(PYTHON) bash .ci/transformers-common.sh
 

@@ -6,8 +6,8 @@
 # .cache/transformers-tests/<version>/ (git-ignored, reused) and never copied into the repository. Downloading
 # here, not in the test module, makes a network failure fail this leg instead of skipping it.
 #
-#   .ci/transformers-common.sh                      everything, about 6 minutes on 2 cores
-#   RUN_TRAINING_TESTS=0 .ci/transformers-common.sh without the four 300-step overfit runs, about 2 minutes
+#   .ci/transformers-common.sh                      everything: 40 s on a quiet 2-core machine, up to 6 min on a busy one
+#   RUN_TRAINING_TESTS=0 .ci/transformers-common.sh without the four 300-step overfit runs
 #   .ci/transformers-common.sh -k MiniMind          extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."

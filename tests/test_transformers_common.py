@@ -8,7 +8,7 @@ What is ours: the tiny tester below, the auto-class registration an in-tree mode
 and stand-ins for the three modules the sdist does not ship (`tests/exporters`, `tests/generation`,
 `tests/utils`), so transformers' export and generate suites do not run here.
 
-Opt-in: `make test-transformers-common` (about 6 minutes on 2 cores, 2 with RUN_TRAINING_TESTS=0), or
+Opt-in: `make test-transformers-common` (40 s on 2 quiet cores, up to 6 minutes on busy ones), or
 `MINIMIND_TRANSFORMERS_COMMON=1 pytest tests/test_transformers_common.py`. Without PyPI the module is skipped,
 saying why.
 """
