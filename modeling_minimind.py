@@ -14,6 +14,10 @@ section.
 
 import functools
 import inspect
+import json
+import os
+import struct
+from pathlib import Path
 
 try:  # Python 3.11+
     from typing import Unpack
@@ -22,6 +26,7 @@ except ImportError:  # 3.10
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -474,6 +479,42 @@ def check_mask_shape(attention_mask, batch, num_heads, past_seen, q_len):
             f"token of the full sequence, cached tokens included.")
 
 
+def check_generation_mask(inputs, kwargs):
+    """generate() turns a 2-D mask into position ids (and may drop it when it is all ones) before
+    any forward runs: a mask of the wrong length would shift every position silently."""
+    mask = kwargs.get("attention_mask")
+    prompt = next((t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
+                   if isinstance(t, torch.Tensor)), None)
+    continues_cache = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or prompt is None or continues_cache:
+        return
+    if list(mask.shape) != list(prompt.shape[:2]):
+        raise ValueError(
+            f"attention_mask has shape {list(mask.shape)} but the prompt is "
+            f"{list(prompt.shape[:2])}. Fix: pass one mask column per prompt token (the "
+            f"attention_mask the tokenizer returned with these input_ids).")
+
+
+def safetensors_problem(path):
+    """Why the safetensors file at `path` cannot be loaded in full, or None. Reads only its
+    header: 8 bytes of length, JSON, then the tensors' bytes, which must end where the file
+    ends."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as file:
+            (header_len,) = struct.unpack("<Q", file.read(8))
+            if 8 + header_len > size:
+                return f"{size} bytes, shorter than its own header"
+            header = json.loads(file.read(header_len))
+    except (OSError, struct.error, ValueError, UnicodeDecodeError) as err:
+        return f"unreadable header: {err}"
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items()
+                    if key != "__metadata__"), default=0)
+    if 8 + header_len + data_end != size:
+        return f"{size} bytes where its header promises {8 + header_len + data_end}"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # Models
 # ------------------------------------------------------------------------------------------------
@@ -505,6 +546,21 @@ class MiniMindPreTrainedModel(PreTrainedModel):
     def get_correct_experts_implementation(self, requested_experts):
         # MiniMind's sorted dispatch ("eager") is the default: on CPU it beats grouped_mm.
         return super().get_correct_experts_implementation(requested_experts or "eager")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        except SafetensorError as err:
+            # safetensors names neither the file nor the directory it could not read.
+            folder = Path(str(pretrained_model_name_or_path))
+            files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+            damaged = [f"{path} ({problem})" for path in files
+                       if (problem := safetensors_problem(path))]
+            where = ", ".join(damaged) or f"a weights file of {pretrained_model_name_or_path}"
+            raise OSError(f"{where}: the safetensors file is incomplete or damaged ({err}). Fix: "
+                          f"copy or download it again; a checkpoint killed mid-save is not "
+                          f"loadable, take an earlier one.") from err
 
     def _init_weights(self, module):
         # torch.nn.init (not `.data`) so that transformers skips tensors already loaded from a
@@ -586,6 +642,13 @@ class MiniMindModel(MiniMindPreTrainedModel):
         if position_ids is None:
             position_ids = cache_position.unsqueeze(0)  # [1, T]
             self._warn_past_trained_length(past_seen, q_len)
+        elif position_ids.shape[-1] != q_len:
+            # generate() derives position ids from the 2-D mask, so there a mask of the wrong
+            # length lands here rather than as a shape error deep inside RoPE.
+            raise ValueError(
+                f"position_ids cover {position_ids.shape[-1]} tokens but the input has {q_len}. "
+                f"Fix: pass one position per input token; with generate(), pass an attention_mask "
+                f"with one column per prompt token (the one the tokenizer returned).")
 
         # A cache made here is still empty, so the mask needs none; without one, create_causal_mask
         # finds packed rows (restarting position_ids) and keeps attention inside each. The paged
@@ -689,6 +752,10 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
         )
         return out if return_dict else out.to_tuple()
+
+    def generate(self, inputs=None, *args, **kwargs):
+        check_generation_mask(inputs, kwargs)
+        return super().generate(inputs, *args, **kwargs)
 
     @staticmethod
     def _labels_for(labels, logits, logits_to_keep):

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, TextIO
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList,
+from transformers import (AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList,
                           TextIteratorStreamer)
 
 import minimind  # noqa: F401  (registers MiniMind with the Auto classes, so local dirs load without remote code)
+from minimind.tokenizer import encode_conversation, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,15 +28,49 @@ def default_device() -> str:
 
 def load_model_and_tokenizer(model_name_or_path: str, device: str | None = None, dtype: str = "float32"):
     """The model (eval mode, on `device`) and its tokenizer from one directory or Hub id."""
-    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    tokenizer = load_tokenizer(model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=DTYPES[dtype], trust_remote_code=True)
     return model.to(device or default_device()).eval(), tokenizer
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the chat template, ending with the assistant header."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-    return list(encoded["input_ids"])
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:
+    """Token ids of `messages` rendered with the chat template, ending with the assistant header.
+
+    Special tokens inside message text are tokenised as text (see `encode_conversation`); `template_kwargs`
+    reach the template, e.g. `enable_thinking=False`.
+    """
+    return encode_conversation(tokenizer, messages, tools, add_generation_prompt=True, **template_kwargs).input_ids
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(text: str, *, started_in_reasoning: bool = False) -> tuple[str | None, str]:
+    """Split a generated reply into (reasoning, answer) at its ``<think>...</think>`` block.
+
+    reasoning is None when the reply has no think block ("" for an empty one, which is what
+    ``enable_thinking=False`` puts in the prompt).  A reply that starts inside the block (its prompt ended
+    with ``<think>``) is recognised by a ``</think>`` with no ``<think>`` before it; when such a reply has not
+    reached ``</think>`` yet, only the caller knows, so it passes ``started_in_reasoning=True``.  An unclosed
+    block (generation stopped while thinking) is all reasoning.  The newlines the chat template puts around
+    the reasoning and before the answer are removed, so a rendered ``reasoning_content`` comes back as given.
+    """
+    open_at, close_at = text.find(THINK_OPEN), text.find(THINK_CLOSE)
+    if close_at >= 0 and (open_at < 0 or close_at < open_at):
+        reasoning, answer = text[:close_at], text[close_at + len(THINK_CLOSE):]
+    elif open_at >= 0:
+        if text[:open_at].strip():
+            # Text before <think> is not how the template places reasoning: leave the reply as it is.
+            return None, text
+        rest = text[open_at + len(THINK_OPEN):]
+        reasoning, found, answer = rest.partition(THINK_CLOSE)
+        if not found:
+            return reasoning.strip("\n"), ""
+    elif started_in_reasoning:
+        return text.strip("\n"), ""
+    else:
+        return None, text
+    return reasoning.strip("\n"), answer.lstrip("\n")
 
 
 @dataclass
@@ -84,6 +119,35 @@ class _Cancelled(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class StopStringCutter:
+    """Cuts streamed text before the first stop string: `feed` each piece and send on what it returns, then
+    `finish()` once the pieces end. A tail that could be the start of a stop string is held back until the next
+    piece decides; once `hit` is set the stop string was found and everything after it is dropped."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [stop for stop in stops if stop]
+        self.hold_back = max((len(stop) for stop in self.stops), default=1) - 1
+        self.text, self.emitted, self.hit = "", 0, False
+
+    def feed(self, piece: str) -> str:
+        if self.hit:
+            return ""
+        self.text += piece
+        cut = min((i for i in (self.text.find(stop) for stop in self.stops) if i >= 0), default=-1)
+        end = cut if cut >= 0 else len(self.text) - self.hold_back
+        self.hit = cut >= 0
+        return self._emit_until(end)
+
+    def finish(self) -> str:
+        return "" if self.hit else self._emit_until(len(self.text))
+
+    def _emit_until(self, end: int) -> str:
+        if end <= self.emitted:
+            return ""
+        out, self.emitted = self.text[self.emitted:end], end
+        return out
 
 
 class TextStream:
@@ -138,23 +202,15 @@ class TextStream:
         return criteria
 
     def _cut_at_stop_strings(self, pieces):
-        stops = self._stops
-        hold_back = max((len(s) for s in stops), default=1) - 1
-        text, emitted = "", 0
+        cutter = StopStringCutter(self._stops)
         for piece in pieces:
-            text += piece
-            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
+            if text := cutter.feed(piece):
+                yield text
+            if cutter.hit:
                 self._hit_stop_string = True
-                if cut > emitted:
-                    yield text[emitted:cut]
                 return
-            safe_end = len(text) - hold_back
-            if safe_end > emitted:
-                yield text[emitted:safe_end]
-                emitted = safe_end
-        if len(text) > emitted:
-            yield text[emitted:]
+        if text := cutter.finish():
+            yield text
 
     def _record_outcome(self, new_ids: list[int]):
         self.completion_tokens = len(new_ids)  # a batch of one is never padded
@@ -164,11 +220,13 @@ class TextStream:
 
 
 def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | None = None,
-              read_line: Callable[[str], str] = input, out: TextIO = sys.stdout) -> None:
+              read_line: Callable[[str], str] = input, out: TextIO = sys.stdout, enable_thinking: bool = True) -> None:
     """Multi-turn chat on a plain terminal: `/reset` forgets the conversation; `/exit`, end of input (Ctrl-D) or
     Ctrl-C at the prompt quit; Ctrl-C during a reply stops that reply.
 
-    `read_line` and `out` are injectable so tests can drive the loop without a terminal.
+    A reply's reasoning (its `<think>` block) is shown apart from the answer: after "(thinking) ", dimmed on a
+    terminal. `enable_thinking=False` asks the model to answer without reasoning (the template's empty think
+    block). `read_line` and `out` are injectable so tests can drive the loop without a terminal.
     """
     history = _fresh_history(system_prompt)
     context = model.config.max_position_embeddings
@@ -190,34 +248,95 @@ def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | Non
         history.append({"role": "user", "content": line})
         # Keep room for a reply, but never more than half the context: a huge max_new_tokens must not make
         # every message "too long".
-        prompt_ids = _fit_to_context(tokenizer, history, context - min(params.max_new_tokens, context // 2))
+        prompt_ids = _fit_to_context(tokenizer, history, context - min(params.max_new_tokens, context // 2),
+                                     enable_thinking=enable_thinking)
         if prompt_ids is None:
             history.pop()
             print(f"(message too long for the {context}-token context)", file=out, flush=True)
             continue
         turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, context - len(prompt_ids)))
-        reply = []
+        printer, interrupted = _ReplyPrinter(out), False
         try:
             for piece in TextStream(model, tokenizer, prompt_ids, turn_params):
-                reply.append(piece)
-                print(piece, end="", file=out, flush=True)
+                printer.feed(piece)
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it; the partial reply stays in the history
-            print(" (interrupted)", end="", file=out)
-        print(file=out, flush=True)
-        history.append({"role": "assistant", "content": "".join(reply)})
+            interrupted = True
+        printer.finish()
+        print(" (interrupted)" if interrupted else "", file=out, flush=True)
+        reasoning, answer = split_reasoning(printer.text)
+        message = {"role": "assistant", "content": answer}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        history.append(message)
+
+
+class _ReplyPrinter:
+    """Prints a streamed reply with its reasoning apart from the answer.
+
+    Each piece is appended to the reply so far, which is split again with `split_reasoning`; what is new in
+    the reasoning and in the answer gets printed. The end of the text that could still grow into "<think>" or
+    "</think>" waits for the next piece, so a tag cut between pieces is never shown as answer text.
+    """
+
+    THINKING = "(thinking) "
+
+    def __init__(self, out: TextIO):
+        self.out, self.text = out, ""
+        self.dim = out.isatty()
+        self._reasoning_shown = self._answer_shown = 0
+        self._in_reasoning = False
+
+    def feed(self, piece: str) -> None:
+        self.text += piece
+        self._show(_without_partial_tag(self.text))
+
+    def finish(self) -> None:
+        self._show(self.text)
+        self._end_reasoning()
+
+    def _show(self, text: str) -> None:
+        if not text.strip():
+            return  # leading whitespace may still turn out to come before "<think>"
+        reasoning, answer = split_reasoning(text)
+        if reasoning is not None and len(reasoning) > self._reasoning_shown:
+            if not self._in_reasoning and self._reasoning_shown == 0:
+                self._write(("\x1b[2m" if self.dim else "") + self.THINKING)
+                self._in_reasoning = True
+            self._write(reasoning[self._reasoning_shown:])
+            self._reasoning_shown = len(reasoning)
+        if len(answer) > self._answer_shown:
+            self._end_reasoning()
+            self._write(answer[self._answer_shown:])
+            self._answer_shown = len(answer)
+
+    def _end_reasoning(self) -> None:
+        if self._in_reasoning:
+            self._write(("\x1b[0m" if self.dim else "") + "\n")
+            self._in_reasoning = False
+
+    def _write(self, text: str) -> None:
+        print(text, end="", file=self.out, flush=True)
+
+
+def _without_partial_tag(text: str) -> str:
+    for tag in (THINK_OPEN, THINK_CLOSE):
+        for length in range(len(tag) - 1, 0, -1):
+            if text.endswith(tag[:length]):
+                return text[:-length]
+    return text
 
 
 def _fresh_history(system_prompt):
     return [{"role": "system", "content": system_prompt}] if system_prompt else []
 
 
-def _fit_to_context(tokenizer, history: list[dict], budget: int) -> list[int] | None:
+def _fit_to_context(tokenizer, history: list[dict], budget: int, **template_kwargs) -> list[int] | None:
     """Prompt ids for `history`, forgetting the oldest user/assistant exchanges (never the system prompt or the
     new message) until the prompt fits in `budget` tokens; None if even the new message alone does not fit.
     Edits `history`."""
     first_turn = 1 if history and history[0]["role"] == "system" else 0
     while True:
-        ids = chat_prompt_ids(tokenizer, history)
+        ids = chat_prompt_ids(tokenizer, history, **template_kwargs)
         if len(ids) <= budget:
             return ids
         if len(history) - first_turn <= 1:

@@ -43,6 +43,8 @@ from typing import Any
 
 from datasets import Dataset
 
+from minimind.tokenizer import encode_conversation, render_conversation
+
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
@@ -105,6 +107,14 @@ def _check_conversation(messages: Any, key: str) -> None:
         has_calls = role == "assistant" and message.get("tool_calls") is not None
         if has_calls:
             _check_tool_calls(message["tool_calls"], where)
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None:
+            if role != "assistant":
+                raise _RowError(f"{where} ({role}) has 'reasoning_content', which only assistant messages may carry",
+                                "move the reasoning to the assistant reply it belongs to, or drop the key")
+            if not isinstance(reasoning, str):
+                raise _RowError(f"{where} (assistant) 'reasoning_content' must be a string, got "
+                                f"{_type_name(reasoning)}", 'write "reasoning_content": "..." (plain text) or drop it')
         if content is None and has_calls:
             continue
         if not isinstance(content, str):
@@ -145,6 +155,15 @@ def _check_row(row: Any, kind: str) -> None:
             if row[key][-1]["role"] != "assistant":
                 raise _RowError(f"'{key}' must end with the assistant reply being compared",
                                 f"make the last message of '{key}' the assistant answer")
+        # TRL takes the shared messages as the prompt; pairs whose prompts differ have nothing to compare (and
+        # TRL 1.16 fails on them with a bare IndexError).
+        chosen_prompt, rejected_prompt = row["chosen"][:-1], row["rejected"][:-1]
+        if chosen_prompt != rejected_prompt:
+            at = next((i for i, (a, b) in enumerate(zip(chosen_prompt, rejected_prompt)) if a != b),
+                      min(len(chosen_prompt), len(rejected_prompt)))
+            raise _RowError(f"'chosen' and 'rejected' have different prompts (they differ at message {at}; "
+                            f"{len(chosen_prompt)} and {len(rejected_prompt)} messages before the final reply)",
+                            "give both the same messages up to the final assistant reply; only that reply may differ")
 
 
 _EXAMPLES = {
@@ -162,23 +181,38 @@ def read_jsonl(path: str | Path, kind: str, skip_bad_lines: bool = False) -> tup
 
     Raises DataFormatError naming the file and 1-based line on the first bad
     line, unless ``skip_bad_lines`` (then bad lines are counted and a warning
-    is logged).  A file with no valid rows always raises.
+    is logged).  A missing file, a directory, and a file with no valid rows
+    always raise.  A UTF-8 byte order mark (as some Windows editors write) is
+    accepted.
     """
+    rows, _, skipped = _read_numbered_rows(path, kind, skip_bad_lines)
+    return rows, skipped
+
+
+def _read_numbered_rows(path: str | Path, kind: str, skip_bad_lines: bool) -> tuple[list[dict], list[int], int]:
+    """read_jsonl, plus the 1-based line number of every row returned."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = Path(path)
+    if path.is_dir():
+        raise DataFormatError(f"{path}: is a directory, not a JSONL file. Fix: pass the path of a .jsonl file "
+                              "(--data_path DIR/FILE.jsonl).")
+    if not path.is_file():
+        raise DataFormatError(f"{path}: no such file. Fix: check the path (--data_path) or create the file; "
+                              f"{_EXAMPLES[kind]}.")
     rows: list[dict] = []
+    lines: list[int] = []
     skipped = 0
     first_skip = ""
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
-                # Decode per line so an encoding error still gets a line number.
-                line = raw.decode("utf-8")
+                # Decode per line so an encoding error still gets a line number; utf-8-sig drops a leading BOM.
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.rstrip("\r\n"))  # else an error at the end is 'column 1' of the next line
                 except json.JSONDecodeError as e:
                     raise _RowError(f"invalid JSON ({e.msg} at column {e.colno})",
                                     "check for unbalanced quotes/brackets or a trailing comma; "
@@ -190,6 +224,7 @@ def read_jsonl(path: str | Path, kind: str, skip_bad_lines: bool = False) -> tup
                 error = e
             else:
                 rows.append(row)
+                lines.append(lineno)
                 continue
             message = f"{path}, line {lineno}: {error.problem}. Fix: {error.fix}."
             if not skip_bad_lines:
@@ -201,7 +236,7 @@ def read_jsonl(path: str | Path, kind: str, skip_bad_lines: bool = False) -> tup
     if not rows:
         detail = f"all {skipped} non-blank line(s) are malformed" if skipped else "the file has no non-blank lines"
         raise DataFormatError(f"{path}: no valid {kind} examples ({detail}). Fix: {_EXAMPLES[kind]}.")
-    return rows, skipped
+    return rows, lines, skipped
 
 
 # --------------------------------------------------------------------------
@@ -260,8 +295,7 @@ def build_pretrain_dataset(
 # --------------------------------------------------------------------------
 
 def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return "".join(text for text, _ in render_conversation(tokenizer, messages, tools, add_generation_prompt))
 
 
 def encode_chat(
@@ -270,18 +304,20 @@ def encode_chat(
     tools: list[dict] | None = None,
     max_seq_length: int | None = None,
 ) -> dict[str, list[int]]:
-    """Tokenise one conversation; labels are -100 except assistant replies and their ``<|im_end|>``.
+    """Tokenise one conversation; labels are -100 except assistant replies (reasoning included) and their
+    ``<|im_end|>``.
 
-    The reply spans are found in the rendered text: rendering the messages
-    before an assistant turn with ``add_generation_prompt=True`` gives exactly
-    the text up to the start of its reply (the template is prefix-stable), and
-    the reply ends at the next eos token.  Tokens are then labelled by their
-    character offsets.  A token counts as part of a reply when it starts
-    inside it; so if a reply begins with a newline that BPE merges with the
-    header's newline, that first newline is not trained (harmless edge case).
+    Tokenisation is ``minimind.tokenizer.encode_conversation``: special tokens inside message text become
+    ordinary tokens, as at chat time.  The reply spans are found in the rendered text: rendering the messages
+    before an assistant turn with ``add_generation_prompt=True`` gives exactly the text up to the start of its
+    reply (the template is prefix-stable), and the reply ends with the next ``<|im_end|>`` token, which can
+    only be the template's.  Tokens are then labelled by their character offsets.  A token counts as part of a
+    reply when it starts inside it; so if a reply begins with a newline that BPE merges with the header's
+    newline, that first newline is not trained (harmless edge case).
     """
-    eos = tokenizer.eos_token
-    text = _render(tokenizer, messages, tools, add_generation_prompt=False)
+    encoding = encode_conversation(tokenizer, messages, tools)
+    text, input_ids = encoding.text, encoding.input_ids
+    eos_ends = [hi for token, (lo, hi) in zip(input_ids, encoding.offsets) if token == tokenizer.eos_token_id]
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -290,13 +326,11 @@ def encode_chat(
         if not text.startswith(prefix):
             raise ValueError("the tokenizer's chat template is not prefix-stable; cannot locate assistant replies")
         start = len(prefix)
-        spans.append((start, text.index(eos, start) + len(eos)))
+        spans.append((start, min(end for end in eos_ends if end > start)))
 
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = encoding["input_ids"]
     labels = [
         token if any(lo <= start < hi for lo, hi in spans) else IGNORE_INDEX
-        for token, (start, _) in zip(input_ids, encoding["offset_mapping"])
+        for token, (start, _) in zip(input_ids, encoding.offsets)
     ]
     if max_seq_length is not None:
         input_ids, labels = input_ids[:max_seq_length], labels[:max_seq_length]
@@ -317,14 +351,23 @@ def _chat_source(rows: list[dict]) -> Dataset:
     })
 
 
-def _drop_report(path, kind: str, before: int, after: int, max_seq_length: int) -> None:
-    if after == 0:
+DROPPED_LINES_SHOWN = 5
+
+
+def _drop_report(path, kind: str, lines: list[int], kept_lines: list[int], max_seq_length: int) -> None:
+    """Raise if no example survived truncation; else warn with the count and the first dropped line numbers,
+    so the user can find the examples to shorten."""
+    if not kept_lines:
         raise DataFormatError(
             f"{path}: no {kind} example keeps any assistant tokens after truncation to "
             f"max_seq_length={max_seq_length}. Fix: raise max_seq_length or shorten the prompts.")
-    if after < before:
-        logger.warning("%s: dropped %d of %d %s examples whose assistant reply starts after "
-                       "max_seq_length=%d", path, before - after, before, kind, max_seq_length)
+    kept = set(kept_lines)
+    dropped = [line for line in lines if line not in kept]
+    if dropped:
+        shown = ", ".join(map(str, dropped[:DROPPED_LINES_SHOWN])) + (", ..." if len(dropped) > DROPPED_LINES_SHOWN
+                                                                      else "")
+        logger.warning("%s: dropped %d of %d %s examples whose assistant reply starts after max_seq_length=%d "
+                       "(line %s)", path, len(dropped), len(lines), kind, max_seq_length, shown)
 
 
 def build_sft_dataset(
@@ -336,23 +379,26 @@ def build_sft_dataset(
     """SFT rows (input_ids, labels, attention_mask), assistant-only labels, truncated, unpadded.
 
     Rows whose assistant tokens are all cut off by truncation are dropped (with
-    a warning).  Batch them with :func:`collator`.
+    a warning naming their first line numbers).  Batch them with :func:`collator`.
     """
-    rows, _ = read_jsonl(path, "sft", skip_bad_lines)
+    rows, lines, _ = _read_numbered_rows(path, "sft", skip_bad_lines)
 
-    def encode(batch):
-        out = {"input_ids": [], "labels": [], "attention_mask": []}
-        for conversation, tools in zip(batch["conversations"], batch["tools"]):
+    def encode(batch, indices):
+        out = {"input_ids": [], "labels": [], "attention_mask": [], "line": []}
+        for conversation, tools, index in zip(batch["conversations"], batch["tools"], indices):
             example = encode_chat(tokenizer, json.loads(conversation), json.loads(tools), max_seq_length)
             if _has_targets(example["labels"]):
-                for key in out:
+                for key in ("input_ids", "labels", "attention_mask"):
                     out[key].append(example[key])
+                out["line"].append(lines[index])
         return out
 
     source = _chat_source(rows)
-    dataset = source.map(encode, batched=True, remove_columns=source.column_names, desc="tokenising SFT chats")
-    _drop_report(path, "sft", len(rows), len(dataset), max_seq_length)
-    return dataset
+    dataset = source.map(encode, batched=True, with_indices=True, remove_columns=source.column_names,
+                         desc="tokenising SFT chats")
+    # A map that keeps no row returns no columns at all.
+    _drop_report(path, "sft", lines, dataset["line"] if len(dataset) else [], max_seq_length)
+    return dataset.remove_columns("line")
 
 
 def build_dataset(kind: str, path: str | Path, tokenizer, max_seq_length: int, skip_bad_lines: bool = False,

@@ -2,33 +2,39 @@
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, streaming (server-sent
 events ending with `data: [DONE]`) or not. Errors use OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}` with a 4xx status.
+`{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
 
-Concurrency: one generation runs at a time; other requests wait on a lock. transformers' continuous
-batching (`generate_batch` / `ContinuousBatchingManager`, paged KV cache) was tried with a tiny MiniMind on
-CPU: with a small model change it gives the same greedy tokens, but each scheduler step costs ~0.1 s
-against ~1 ms for `generate` (4 short requests: 4 s vs 0.05 s, plus a 12 s warm-up), and its sampling
-settings are per manager, not per request. See docs/ecosystem-serve.md.
+Concurrency: every choice of every request is one sequence in transformers' continuous batching
+(`ContinuousBatchingManager`, paged KV cache): one background thread runs batched decode steps over all active
+sequences, new ones join between steps, and temperature/top-k/top-p are per sequence. A request whose client goes
+away, or that outlives `request_timeout`, is cancelled in the manager at its next step. Limits (`ServerLimits`)
+bound each request; `Admission` turns away requests beyond the concurrency limit with a 429. See
+docs/ecosystem-serve.md.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
+import math
+import secrets
 import threading
 import time
 import uuid
-from contextlib import closing
-from typing import Iterator, Literal
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal
 
-import anyio
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import GenerationConfig, TextStreamer
 
-from minimind.chat import SamplingParams, TextStream, chat_prompt_ids
+from minimind.chat import THINK_CLOSE, THINK_OPEN, SamplingParams, StopStringCutter, chat_prompt_ids, split_reasoning
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -45,7 +51,8 @@ class _Sampling(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
+    top_k: int = Field(default=0, ge=0)  # not OpenAI's, but vLLM's and llama.cpp's; 0 = no top-k filter
+    n: int = Field(default=1, ge=1)  # the upper bound is the server's --max_n
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
@@ -53,6 +60,11 @@ class _Sampling(BaseModel):
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def max_tokens_param(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
 
 
 class _TextPart(BaseModel):
@@ -85,16 +97,19 @@ class CompletionRequest(_Sampling):
 # ----------------------------------------------------------------------------------------------------------
 
 class APIError(Exception):
-    """An error the client caused, reported in OpenAI's shape."""
+    """An error reported in OpenAI's shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -107,34 +122,343 @@ def _validation_error(exc: RequestValidationError) -> APIError:
                     param=param, code="invalid_value")
 
 
+def _timed_out(seconds: float) -> APIError:
+    # 504, not 408: OpenAI's client retries a 408 at once, which would only time out again.
+    return APIError(504, f"The request did not finish within the server's request timeout of {seconds:g} s; its "
+                         "generation was stopped. Ask for fewer tokens (max_tokens) or raise --request_timeout.",
+                    type="timeout_error", code="request_timeout")
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Generation
+# Limits and admission
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for, and how much the server takes on at once (the `minimind-serve` flags)."""
+
+    max_context: int | None = None          # prompt + completion; default: the model's max_position_embeddings
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int = 4096                  # most completion tokens a request may ask for (per choice)
+    max_n: int = 8                          # most choices per request
+    max_prompt_tokens: int | None = None    # default: max_context - 1
+    max_concurrent_requests: int = 64       # more get 429 with Retry-After
+    request_timeout: float = 600.0          # seconds; a request still generating then is cancelled
+    kv_cache_tokens: int | None = None      # the paged KV cache's size; default: see `check`
+
+    # The default cache: enough for every admitted request at full context, but no more than this many tokens
+    # (about 0.5 GB for the 64M default model) unless two contexts need more.
+    DEFAULT_KV_CACHE_TOKENS = 65536
+
+    def check(self, context_limit: int) -> "ServerLimits":
+        """These limits with defaults filled in from the model's context; ValueError naming the flag if bad."""
+        context = self.max_context or context_limit
+        if not 1 < context <= context_limit:
+            raise ValueError(f"max_context must be in [2, {context_limit}] (the model's max_position_embeddings), "
+                             f"got {self.max_context}")
+        prompt = self.max_prompt_tokens or context - 1
+        for name, value, low in (("default_max_tokens", self.default_max_tokens, 1), ("max_tokens", self.max_tokens, 1),
+                                 ("max_n", self.max_n, 1), ("max_concurrent_requests", self.max_concurrent_requests, 1),
+                                 ("max_prompt_tokens", prompt, 1)):
+            if value < low:
+                raise ValueError(f"{name} must be at least {low}, got {value}")
+        if prompt >= context:
+            raise ValueError(f"max_prompt_tokens ({prompt}) must be below max_context ({context}), leaving room "
+                             "for a completion")
+        if self.default_max_tokens > self.max_tokens:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens "
+                             f"({self.max_tokens})")
+        if not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be positive seconds, got {self.request_timeout}")
+        # Two contexts at least: one sequence of the whole context plus the spare the batching engine needs to
+        # keep scheduling while other sequences hold pages. Sequences that do not fit wait for pages.
+        cache = self.kv_cache_tokens or max(2 * context, min((self.max_concurrent_requests + 1) * context,
+                                                             self.DEFAULT_KV_CACHE_TOKENS))
+        if cache < 2 * context:
+            raise ValueError(f"kv_cache_tokens ({cache}) must hold two full contexts (2 x max_context = "
+                             f"{2 * context}). Fix: raise --kv_cache_tokens or lower --max_context")
+        return ServerLimits(context, self.default_max_tokens, self.max_tokens, self.max_n, prompt,
+                            self.max_concurrent_requests, self.request_timeout, cache)
+
+
+class Admission:
+    """Counts requests in progress; one more than `limit` is refused with a 429 that says when to retry."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, limit: int):
+        self.limit, self.active = limit, 0
+
+    def enter(self) -> None:
+        # Only the event loop thread calls this, so a plain counter is enough.
+        if self.active >= self.limit:
+            raise APIError(429, f"The server is busy: {self.limit} requests are in progress (--max_concurrent_"
+                                f"requests). Retry after {self.RETRY_AFTER_S} s.", type="requests",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(self.RETRY_AFTER_S)})
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Generation: transformers' continuous batching
+# ----------------------------------------------------------------------------------------------------------
+
+class BatchEngine:
+    """transformers' `ContinuousBatchingManager` over the model, and a thread that hands each sequence's outputs
+    to whoever waits for them (the manager has one output queue for all).
+
+    Sampling settings are per sequence through the manager's per-request logits processors. Those exist only for
+    settings the manager's generation config enables, so it enables all three with non-neutral values; every
+    sequence then passes its own (greedy = top_k 1).
+    """
+
+    PAGE_SIZE = 16
+
+    def __init__(self, model, tokenizer, max_context: int, cache_tokens: int):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_context, self.cache_tokens = max_context, cache_tokens
+        self.manager = None
+        self._subscribers: dict[str, callable] = {}
+        self._lock = threading.Lock()
+        self._router: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    def _new_manager(self):
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        config = GenerationConfig(do_sample=True, temperature=0.5, top_k=self.model.config.vocab_size, top_p=0.5,
+                                  max_new_tokens=self.max_context, eos_token_id=self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id)
+        # transformers 5.17 calls the page size `block_size`. The cache is sized explicitly: by default it takes
+        # a share of free memory, which on a CPU box means gigabytes.
+        size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters \
+            else "block_size"
+        # At least one full context more than the longest sequence (ServerLimits.check): without spare pages, a
+        # sequence that needs nearly the whole cache while others hold pages stops the manager ("No requests can
+        # be scheduled").
+        pages = self.pages_for(self.cache_tokens)
+        paging = ContinuousBatchingConfig(**{size_name: self.PAGE_SIZE}, num_blocks=pages,
+                                          max_batch_tokens=max(256, self.PAGE_SIZE * 16),
+                                          per_request_processors=True)
+        manager = self.model.init_continuous_batching(generation_config=config, continuous_batching_config=paging)
+        manager.start()
+        return manager
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.PAGE_SIZE)
+
+    def start(self) -> None:
+        with self._lock:
+            if self.manager is None or not self.manager.is_running():
+                # Also after a failure: a failed step stops the manager (its sequences get the error); a new
+                # one serves the next requests.
+                self.manager = self._new_manager()
+            if self._router is None:
+                self._closing.clear()
+                self._router = threading.Thread(target=self._route, name="minimind-output-router", daemon=True)
+                self._router.start()
+
+    def stop(self) -> None:
+        self._closing.set()
+        if self._router is not None:
+            self._router.join(timeout=30)
+            self._router = None
+        if self.manager is not None:
+            self.manager.stop(block=True, timeout=30)
+            self.manager = None
+
+    def _route(self) -> None:
+        while not self._closing.is_set():
+            manager = self.manager
+            output = manager.get_result(timeout=0.05) if manager is not None else None
+            if output is None:
+                time.sleep(0.005)  # get_result returns at once while no manager runs
+                continue
+            with self._lock:
+                deliver = self._subscribers.get(output.request_id)
+            if deliver is not None:
+                deliver(output)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver) -> str:
+        """Queue one sequence; `deliver(output)` is called from the router thread with its cumulative outputs."""
+        self.start()
+        request_id = uuid.uuid4().hex
+        with self._lock:
+            self._subscribers[request_id] = deliver
+        greedy = not params.do_sample or params.temperature == 0
+        self.manager.add_request(
+            list(prompt_ids), request_id=request_id, max_new_tokens=params.max_new_tokens, streaming=True,
+            eos_token_id=self.tokenizer.eos_token_id, temperature=1.0 if greedy else float(params.temperature),
+            top_k=1 if greedy else (params.top_k or self.model.config.vocab_size),
+            top_p=1.0 if greedy else float(params.top_p))
+        return request_id
+
+    def release(self, request_id: str, cancel: bool) -> None:
+        """Stop delivering the sequence's outputs and, with `cancel`, stop generating it at the next step."""
+        with self._lock:
+            self._subscribers.pop(request_id, None)
+        if cancel and self.manager is not None:
+            self.manager.cancel_request(request_id)
+
+    @property
+    def active_sequences(self) -> int:
+        with self._lock:
+            return len(self._subscribers)
+
+
+class _PieceCollector(TextStreamer):
+    """transformers' incremental detokenizer (it waits for whole words and complete characters), collecting the
+    finished text instead of printing it."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
+        self.pieces: list[str] = []
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            self.pieces.append(text)
+
+    def take(self) -> str:
+        text, self.pieces = "".join(self.pieces), []
+        return text
+
+
+class Sequence:
+    """One choice being generated: iterate `pieces()` for its text; then `finish_reason` and `completion_tokens`.
+
+    Leaving the iteration early (a client gone, a timeout, a stop string) cancels it in the engine."""
+
+    def __init__(self, engine: BatchEngine, prompt_ids: list[int], params: SamplingParams):
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        request_id = self.engine.submit(self.prompt_ids, self.params,
+                                        lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output))
+        detokenizer, cutter = _PieceCollector(self.engine.tokenizer), StopStringCutter(self.params.stop)
+        output = None
+        try:
+            while True:
+                output = await outputs.get()
+                if output.error is not None:
+                    raise RuntimeError(output.error)
+                new_tokens = output.generated_tokens[self.completion_tokens:]
+                self.completion_tokens = len(output.generated_tokens)
+                if new_tokens:
+                    detokenizer.put(torch.tensor(new_tokens))
+                if output.is_finished():
+                    detokenizer.end()
+                if text := cutter.feed(detokenizer.take()):
+                    yield text
+                if cutter.hit:
+                    self.finish_reason = "stop"
+                    return
+                if output.is_finished():
+                    if text := cutter.finish():
+                        yield text
+                    ended = output.generated_tokens[-1:] == [self.engine.tokenizer.eos_token_id]
+                    ran_out = self.completion_tokens >= self.params.max_new_tokens
+                    self.finish_reason = "length" if ran_out and not ended else "stop"
+                    return
+        finally:
+            self.engine.release(request_id, cancel=output is None or not output.is_finished())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A request: its sequences and what it reports
 # ----------------------------------------------------------------------------------------------------------
 
 class Generator:
-    """The model, its tokenizer and the lock that lets one request generate at a time."""
+    """What the server serves: the model, its tokenizer, its name, the limits and the batching engine."""
 
     def __init__(self, model, tokenizer, model_id: str, max_context: int | None = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS):
-        limit = model.config.max_position_embeddings
-        if max_context is not None and not 1 < max_context <= limit:
-            raise ValueError(f"max_context must be in [2, {limit}] (the model's max_position_embeddings)")
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: ServerLimits | None = None):
+        limits = limits or ServerLimits(max_context=max_context, default_max_tokens=default_max_tokens,
+                                        max_tokens=max(default_max_tokens, ServerLimits.max_tokens))
+        self.limits = limits.check(model.config.max_position_embeddings)
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
-        self.max_context = max_context or limit
-        self.default_max_tokens = default_max_tokens
-        self.lock = threading.Lock()
+        self.max_context = self.limits.max_context
+        self.engine = BatchEngine(model, tokenizer, self.max_context, cache_tokens=self.limits.kv_cache_tokens)
 
     def sampling_params(self, request: _Sampling, prompt_tokens: int, param: str) -> SamplingParams:
-        """Per-request sampling settings; rejects prompts that leave no room to generate in the context."""
-        room = self.max_context - prompt_tokens
-        if room < 1:
-            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; the "
-                                f"{param} has {prompt_tokens} tokens, leaving no room for a completion.",
-                           param=param, code="context_length_exceeded")
-        wanted = request.max_completion_tokens or request.max_tokens or self.default_max_tokens
-        # Asking for more than the context holds is not an error: the completion ends with "length".
-        return SamplingParams(max_new_tokens=min(wanted, room), do_sample=request.temperature > 0,
-                              temperature=request.temperature, top_p=request.top_p, stop=request.stop_list())
+        """Per-request sampling settings, or the APIError for a request beyond the server's limits."""
+        limits = self.limits
+        if prompt_tokens > limits.max_prompt_tokens:
+            raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens and prompts "
+                                f"may have at most {limits.max_prompt_tokens}; the {param} has {prompt_tokens} "
+                                "tokens. Shorten it.", param=param, code="context_length_exceeded")
+        name, wanted = request.max_tokens_param()
+        if wanted is not None and wanted > limits.max_tokens:
+            raise APIError(400, f"{name} is too large: {wanted}. This server allows at most {limits.max_tokens} "
+                                "completion tokens per request (--max_tokens).", param=name, code="invalid_value")
+        if request.n > limits.max_n:
+            raise APIError(400, f"n is too large: {request.n}. This server allows at most {limits.max_n} choices "
+                                "per request (--max_n).", param="n", code="invalid_value")
+        room = limits.max_context - prompt_tokens
+        # A completion that would not fit in the context is not an error: it ends there with "length".
+        return SamplingParams(max_new_tokens=min(wanted or limits.default_max_tokens, room),
+                              do_sample=request.temperature > 0, temperature=request.temperature,
+                              top_p=request.top_p, top_k=request.top_k, stop=request.stop_list())
+
+
+class _Job:
+    """One request turned into sequences: n choices for each prompt, numbered like OpenAI does."""
+
+    def __init__(self, generator: Generator, request: _Sampling, prompts: list[list[int]], param: str):
+        self.generator, self.request = generator, request
+        params = [generator.sampling_params(request, len(ids), param) for ids in prompts]
+        if len(prompts) * request.n > generator.limits.max_n:
+            raise APIError(400, f"Too many choices: {len(prompts)} prompts x n={request.n}. This server generates "
+                                f"at most {generator.limits.max_n} choices per request (--max_n); split the prompts "
+                                "over several requests.", param=param, code="invalid_value")
+        self.prompt_tokens = sum(len(ids) for ids in prompts)
+        self.sequences = [Sequence(generator.engine, ids, p) for ids, p in zip(prompts, params)
+                          for _ in range(request.n)]
+        self.deadline = time.monotonic() + generator.limits.request_timeout
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(sequence.completion_tokens for sequence in self.sequences)
+
+    async def events(self) -> AsyncIterator[tuple[int, str | None]]:
+        """(choice index, text piece) as the choices generate together; (index, None) when one has finished.
+        Raises the timeout APIError at the deadline; leaving early cancels every unfinished choice."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int, sequence: Sequence):
+            try:
+                async for piece in sequence.pieces():
+                    events.put_nowait((index, piece))
+                events.put_nowait((index, None))
+            except BaseException as error:  # reported to the consumer, which stops everything
+                events.put_nowait((index, error))
+                raise
+
+        tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(self.sequences)]
+        next_event = None
+        try:
+            running = len(tasks)
+            while running:
+                # Not `asyncio.wait_for`: before Python 3.12 it drops a cancellation that arrives as the awaited
+                # item does, and a cancelled request would keep generating to its end.
+                next_event = asyncio.ensure_future(events.get())
+                await asyncio.wait({next_event}, timeout=max(0.0, self.deadline - time.monotonic()))
+                if not next_event.done():
+                    raise _timed_out(self.generator.limits.request_timeout)
+                index, item = next_event.result()
+                if isinstance(item, BaseException):
+                    raise item
+                running -= item is None
+                yield index, item
+        finally:
+            for task in [*tasks, *([next_event] if next_event else [])]:
+                task.cancel()  # closes the sequence's iteration, which cancels it in the engine
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _completion_id(prefix: str) -> str:
@@ -150,62 +474,66 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-class _Job:
-    """One request turned into generation work: n choices for each prompt, numbered like OpenAI does."""
+async def _run_to_end(job: _Job, request: Request, poll_s: float = 0.05) -> list[str]:
+    """Every choice's text; cancels the job as soon as the client disconnects (polled: a plain response has no
+    other way to notice) and raises the timeout error at the deadline."""
+    texts = [""] * len(job.sequences)
 
-    def __init__(self, generator: Generator, request: _Sampling, prompts: list[list[int]], param: str):
-        self.generator, self.request, self.prompts = generator, request, prompts
-        self.params = [generator.sampling_params(request, len(ids), param) for ids in prompts]
-        self.prompt_tokens = sum(len(ids) for ids in prompts)
+    async def collect():
+        async for index, piece in job.events():
+            if piece:
+                texts[index] += piece
 
-    def choices(self) -> Iterator[tuple[int, Iterator[str], TextStream]]:
-        """(choice index, text pieces, stream) per choice, generated one after another.
-
-        The whole request holds the generation lock, so a `seed` fixes all its choices and concurrent requests
-        never interleave. Closing this iterator early (a client that went away) stops the running generation.
-        """
-        with self.generator.lock:
-            if self.request.seed is not None:
-                torch.manual_seed(self.request.seed)
-            index = 0
-            for prompt_ids, params in zip(self.prompts, self.params):
-                for _ in range(self.request.n):
-                    stream = TextStream(self.generator.model, self.generator.tokenizer, prompt_ids, params)
-                    pieces = iter(stream)
-                    try:
-                        yield index, pieces, stream
-                    finally:
-                        pieces.close()  # cancels and joins the generation thread if the consumer stopped early
-                    index += 1
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                raise ClientGone()
+        task.result()  # raises what the generation raised
+        return texts
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
-def _run_to_end(job: _Job) -> tuple[list[tuple[str, str]], int]:
-    """[(text, finish_reason)] per choice and the completion token count."""
-    results, completion_tokens = [], 0
-    with closing(job.choices()) as choices:  # an error in one choice frees the lock at once
-        for _, pieces, stream in choices:
-            results.append(("".join(pieces), stream.finish_reason))
-            completion_tokens += stream.completion_tokens
-    return results, completion_tokens
+class ClientGone(Exception):
+    """The client closed the connection before its response was ready; nobody is left to answer."""
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The app
 # ----------------------------------------------------------------------------------------------------------
 
-def _completion_response(job, model_id, id_prefix, object_name, choice_body):
-    """The non-streaming body shared by both endpoints; `choice_body(text)` gives the endpoint's own fields."""
-    results, completion_tokens = _run_to_end(job)
-    return {
-        "id": _completion_id(id_prefix), "object": object_name, "created": int(time.time()), "model": model_id,
-        "choices": [{"index": i, **choice_body(text), "logprobs": None, "finish_reason": reason}
-                    for i, (text, reason) in enumerate(results)],
-        "usage": _usage(job.prompt_tokens, completion_tokens),
-    }
+def _api_key_check(api_key: str | None):
+    async def check(request: Request):
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (the "
+                                "openai client does so with api_key=...).", code="invalid_api_key")
+        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    return check
 
 
-def create_app(generator: Generator) -> FastAPI:
-    app = FastAPI(title="MiniMind OpenAI-compatible server")
+def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app; with `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty; pass None to serve without a key")
+    admission = Admission(generator.limits.max_concurrent_requests)
+
+    async def lifespan(app):
+        generator.engine.start()
+        yield
+        generator.engine.stop()
+
+    app = FastAPI(title="MiniMind OpenAI-compatible server", lifespan=asynccontextmanager(lifespan))
+    app.state.admission, app.state.generator = admission, generator
+    router = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -230,97 +558,155 @@ def create_app(generator: Generator) -> FastAPI:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{generator.model_id}'.",
                            param="model", code="model_not_found")
 
-    @app.get("/v1/models")
-    def list_models():
+    @router.get("/v1/models")
+    async def list_models():
         return {"object": "list", "data": [_model_card(generator.model_id)]}
 
-    @app.get("/v1/models/{model_id}")
-    def get_model(model_id: str):
+    @router.get("/v1/models/{model_id}")
+    async def get_model(model_id: str):
         check_model(model_id)
         return _model_card(model_id)
 
-    # Plain `def` endpoints: FastAPI runs them in its thread pool, so a request waiting for the generation
-    # lock does not block the event loop.
-    @app.post("/v1/chat/completions")
-    def chat_completions(request: ChatCompletionRequest):
-        check_model(request.model)
-        messages = [message.as_template_message() for message in request.messages]
-        job = _Job(generator, request, [chat_prompt_ids(generator.tokenizer, messages)], param="messages")
-        if request.stream:
-            return _event_stream(_stream_events(job, generator.model_id, chat=True))
-        return _completion_response(job, generator.model_id, "chatcmpl", "chat.completion",
-                                    lambda text: {"message": {"role": "assistant", "content": text}})
+    async def respond(request: Request, job: _Job, chat: bool):
+        admission.enter()
+        if job.request.stream:
+            return _EventStream(_stream_events(job, generator.model_id, chat), on_close=admission.leave)
+        try:
+            texts = await _run_to_end(job, request)
+        except ClientGone:
+            return JSONResponse({}, status_code=499)  # nobody reads it; nginx's "client closed request"
+        finally:
+            admission.leave()
+        id_prefix, object_name = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+        return {
+            "id": _completion_id(id_prefix), "object": object_name, "created": int(time.time()),
+            "model": generator.model_id,
+            "choices": [{"index": i, **(_chat_message(text) if chat else {"text": text}), "logprobs": None,
+                         "finish_reason": sequence.finish_reason}
+                        for i, (text, sequence) in enumerate(zip(texts, job.sequences))],
+            "usage": _usage(job.prompt_tokens, job.completion_tokens),
+        }
 
-    @app.post("/v1/completions")
-    def completions(request: CompletionRequest):
-        check_model(request.model)
-        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        messages = [message.as_template_message() for message in body.messages]
+        job = _Job(generator, body, [chat_prompt_ids(generator.tokenizer, messages)], param="messages")
+        return await respond(request, job, chat=True)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts or not all(prompts):
             raise APIError(400, "The prompt must be a non-empty string (or a list of them).", param="prompt",
                            code="invalid_value")
         # Raw text: no chat template, no bos (the tokenizer never adds special tokens by itself).
-        job = _Job(generator, request, [generator.tokenizer(p)["input_ids"] for p in prompts], param="prompt")
-        if request.stream:
-            return _event_stream(_stream_events(job, generator.model_id, chat=False))
-        return _completion_response(job, generator.model_id, "cmpl", "text_completion",
-                                    lambda text: {"text": text})
+        job = _Job(generator, body, [generator.tokenizer(p)["input_ids"] for p in prompts], param="prompt")
+        return await respond(request, job, chat=False)
 
+    app.include_router(router)
     return app
+
+
+def _chat_message(text: str) -> dict:
+    reasoning, answer = split_reasoning(text)
+    extra = {"reasoning_content": reasoning} if reasoning is not None else {}
+    return {"message": {"role": "assistant", "content": answer, **extra}}
+
+
+class _ReasoningDeltas:
+    """A chat choice's streamed text as `delta` fields: what `split_reasoning` puts in the think block goes to
+    `reasoning_content`, the rest to `content`. A tail that could still grow into a tag, or text that is only
+    whitespace so far (it may come before "<think>"), waits for the next piece."""
+
+    def __init__(self):
+        self.text, self.sent = "", {"reasoning_content": 0, "content": 0}
+
+    def feed(self, piece: str) -> dict:
+        self.text += piece
+        settled = self.text
+        for size in range(min(len(settled), len(THINK_CLOSE) - 1), 0, -1):
+            if THINK_OPEN.startswith(settled[-size:]) or THINK_CLOSE.startswith(settled[-size:]):
+                settled = settled[:-size]
+                break
+        return self._new(settled) if settled.strip() else {}
+
+    def finish(self) -> dict:
+        return self._new(self.text)
+
+    def _new(self, text: str) -> dict:
+        reasoning, answer = split_reasoning(text)
+        delta = {}
+        for name, value in (("reasoning_content", reasoning), ("content", answer)):
+            if value and len(value) > self.sent[name]:
+                delta[name], self.sent[name] = value[self.sent[name]:], len(value)
+        return delta
 
 
 def _model_card(model_id: str) -> dict:
     return {"id": model_id, "object": "model", "created": 0, "owned_by": "minimind"}
 
 
-def _event_stream(events: Iterator[str]) -> StreamingResponse:
-    return StreamingResponse(_closed_when_abandoned(events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed, and `on_close` called, however the response ends: finished,
+    client gone (even before the first event) or server shutting down. Closing cancels the generation."""
 
+    def __init__(self, events: AsyncIterator[str], on_close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events, self.on_close = events, on_close
 
-async def _closed_when_abandoned(events: Iterator[str]):
-    """Advance the sync event generator in worker threads (generation blocks), and close it as soon as the
-    response stops, a client disconnect included: that cancels the running generation and frees the lock
-    now rather than whenever the garbage collector gets to it."""
-    try:
-        while (event := await anyio.to_thread.run_sync(next, events, None)) is not None:
-            yield event
-    finally:
-        # Not awaited (a cancelled task cannot await) and not on the event loop (closing joins the generation
-        # thread). `run_sync` finishes its call even when cancelled, so `events` is not running now.
-        threading.Thread(target=events.close, daemon=True).start()
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.events.aclose()
+            finally:
+                self.on_close()
 
 
 def _wants_usage(request: _Sampling) -> bool:
     return bool((request.stream_options or {}).get("include_usage"))
 
 
-def _stream_events(job: _Job, model_id: str, chat: bool) -> Iterator[str]:
-    """Server-sent events: per choice its text pieces and a chunk with the finish reason; then, if asked, a
-    usage chunk; then `[DONE]`. Chat chunks carry `delta`s (the first one announces the role), completion
-    chunks `text`."""
+async def _stream_events(job: _Job, model_id: str, chat: bool) -> AsyncIterator[str]:
+    """Server-sent events: per choice its text pieces (choices interleave as they generate) and a chunk with its
+    finish reason; then, if asked, a usage chunk; then `[DONE]`. Chat chunks carry `delta`s (the first one of a
+    choice announces the role), completion chunks `text`. An error after the stream began (the timeout, a failed
+    generation) is an `error` event, as OpenAI sends it, and ends the stream."""
     header = {"id": _completion_id("chatcmpl" if chat else "cmpl"),
               "object": "chat.completion.chunk" if chat else "text_completion",
               "created": int(time.time()), "model": model_id}
 
-    def chunk(index, text, finish_reason=None, role=None):
-        if chat:
-            delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta}
-        else:
-            choice = {"index": index, "text": text}
+    def chunk(index, content, finish_reason=None):
+        choice = {"index": index, **({"delta": content} if chat else {"text": content})}
         return _sse({**header, "choices": [{**choice, "logprobs": None, "finish_reason": finish_reason}]})
 
-    completion_tokens = 0
-    with closing(job.choices()) as choices:  # closing this generator early must stop the generation now
-        for index, pieces, stream in choices:
-            if chat:
-                yield chunk(index, "", role="assistant")
-            for piece in pieces:
-                yield chunk(index, piece)
-            yield chunk(index, "", stream.finish_reason)
-            completion_tokens += stream.completion_tokens
+    deltas = [_ReasoningDeltas() for _ in job.sequences]
+    if chat:
+        for index in range(len(job.sequences)):
+            yield chunk(index, {"role": "assistant", "content": ""})
+    try:
+        async for index, piece in job.events():
+            if not chat:
+                yield chunk(index, piece or "", None if piece is not None else job.sequences[index].finish_reason)
+            elif piece is not None:
+                if delta := deltas[index].feed(piece):
+                    yield chunk(index, delta)
+            else:
+                if delta := deltas[index].finish():
+                    yield chunk(index, delta)
+                yield chunk(index, {}, job.sequences[index].finish_reason)
+    except APIError as error:
+        yield _sse(error.body())
+        return
+    except Exception as error:  # the status line is long sent: the error can only be an event
+        yield _sse(APIError(500, f"Generation failed: {type(error).__name__}: {error}", type="server_error").body())
+        return
     if _wants_usage(job.request):
-        yield _sse({**header, "choices": [], "usage": _usage(job.prompt_tokens, completion_tokens)})
+        yield _sse({**header, "choices": [], "usage": _usage(job.prompt_tokens, job.completion_tokens)})
     yield "data: [DONE]\n\n"
 
 

@@ -16,13 +16,17 @@ Design facts (other modules and the GGUF export rely on them):
   to reasoning / tool-call parsers.
 * Encoding never inserts bos/eos by itself; callers add them where the
   format needs them (see ``minimind.data``).
-* The chat template is ChatML (see ``CHAT_TEMPLATE``).
+* The chat template is ChatML (see ``CHAT_TEMPLATE``).  Conversations are
+  tokenised with ``encode_conversation``, which keeps special tokens inside
+  message text from acting as markers (docs/chat-format.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -54,15 +58,28 @@ QWEN2_PRETOKENIZE_REGEX = (
 # * ``tools`` (a list of JSON-schema dicts) go into a system message; when the
 #   conversation starts with a system message, its content comes first and the
 #   tool description is appended to it.
+# * An assistant message's ``reasoning_content`` (a string) renders before its
+#   content as "<think>\n{reasoning}\n</think>\n\n", as Qwen3 writes it; an
+#   empty string gives the empty block that ``enable_thinking=False`` puts in
+#   the generation prompt.  A "<think>...</think>" already inside the content is
+#   rendered as it is.  Unlike Qwen3, reasoning of earlier turns is kept: that
+#   keeps the template prefix-stable.
 # * An assistant message's ``tool_calls`` render after its content, each as
 #   "<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>" (one per line);
 #   OpenAI-style {"type": "function", "function": {...}} entries are unwrapped,
 #   and string ``arguments`` are inserted verbatim (they are already JSON).
+# * Everything an assistant message generates, reasoning and "<|im_end|>"
+#   included, sits in a {% generation %} block, so transformers'
+#   ``return_assistant_tokens_mask`` and TRL's ``assistant_only_loss`` select
+#   exactly what ``minimind.data.encode_chat`` trains on.
 # * ``tool`` messages render with role "tool".
-# * ``add_generation_prompt`` appends "<|im_start|>assistant\n".
+# * ``add_generation_prompt`` appends "<|im_start|>assistant\n", followed by
+#   "<think>\n\n</think>\n\n" when ``enable_thinking=False`` is passed.
 # * No default system prompt is injected.
 # The template is prefix-stable (rendering the first k messages gives a prefix
 # of rendering all of them); minimind.data relies on that to mask labels.
+# Message text never passes through a filter or a test other than "is string"
+# and truthiness: ``encode_conversation`` swaps it for placeholders.
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -78,8 +95,13 @@ CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{%- if not (tools and loop.first and message.role == 'system') %}"
     "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.role == 'assistant' %}"
+    "{%- generation %}"
+    "{%- if message.reasoning_content is string %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
     "{%- if message.content is string %}{{- message.content }}{%- endif %}"
-    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- if message.tool_calls %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
@@ -89,11 +111,134 @@ CHAT_TEMPLATE = (
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}"
     "{%- endif %}"
+    "{{- '<|im_end|>' }}"
+    "{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- else %}"
+    "{%- if message.content is string %}{{- message.content }}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
+    "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
+
+
+# Message fields that hold text written by users, tools or the model: data to the template, never markup.
+MESSAGE_TEXT_FIELDS = ("content", "reasoning_content")
+
+
+@dataclass
+class ChatEncoding:
+    """A conversation rendered by the chat template and tokenised so that only the template's own markers are
+    special tokens.
+
+    ``pieces`` is the rendered text in order, each piece marked True when it is message text.  ``offsets`` are
+    the character span of every token in ``text``.
+    """
+
+    pieces: list[tuple[str, bool]]
+    input_ids: list[int]
+    offsets: list[tuple[int, int]]
+
+    @property
+    def text(self) -> str:
+        return "".join(piece for piece, _ in self.pieces)
+
+
+def _placeholder_marks(messages: list[dict], tools) -> tuple[str, str]:
+    # Two private-use characters that no message text (nor tool schema) contains; the first free ones, so the
+    # same conversation always renders the same way.
+    seen = set(json.dumps([messages, tools], ensure_ascii=False, default=str))
+    free = (chr(code) for code in range(0xE000, 0xF900) if chr(code) not in seen)
+    return next(free), next(free)
+
+
+def render_conversation(tokenizer, messages: list[dict], tools: list | None = None,
+                        add_generation_prompt: bool = False, **template_kwargs) -> list[tuple[str, bool]]:
+    """The chat template's rendering of ``messages`` as pieces: (text, True) for message text, (text, False)
+    for what the template itself wrote.
+
+    Message text is swapped for placeholders before rendering, so the template cannot mistake it for markup and
+    the pieces say exactly where each message's text sits.  Empty strings stay as they are: the template
+    tests them for truthiness.
+    """
+    open_mark, close_mark = _placeholder_marks(messages, tools)
+    texts: list[str] = []
+
+    def hide(value):
+        if not isinstance(value, str) or not value:
+            return value
+        texts.append(value)
+        return f"{open_mark}{len(texts) - 1}{close_mark}"
+
+    hidden = [{**message, **{key: hide(message[key]) for key in MESSAGE_TEXT_FIELDS if key in message}}
+              for message in messages]
+    rendered = tokenizer.apply_chat_template(hidden, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
+    parts = re.split(f"{open_mark}(\\d+){close_mark}", rendered)
+    pieces = []
+    for i, part in enumerate(parts):
+        text, is_message_text = (texts[int(part)], True) if i % 2 else (part, False)
+        if text:
+            pieces.append((text, is_message_text))
+    return pieces
+
+
+def encode_conversation(tokenizer, messages: list[dict], tools: list | None = None,
+                        add_generation_prompt: bool = False, **template_kwargs) -> ChatEncoding:
+    """Render ``messages`` with the chat template and tokenise the result; special tokens ("<|im_start|>",
+    "<|im_end|>", "<|endoftext|>") count only where the template wrote them.
+
+    Inside message text they are split into ordinary tokens, so a user cannot close their turn and open a
+    system one.  The text between two template markers is tokenised in one piece, as plain tokenisation would
+    (special tokens always cut the text there), so a conversation without such strings in its messages gets
+    exactly the ids of ``tokenizer(rendered_text)``.  "<think>", "</think>", "<tool_call>" and "</tool_call>"
+    are not special (see the module docstring) and stay single tokens everywhere.
+    """
+    pieces = render_conversation(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
+    markers = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
+    marker_pattern = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
+    # The text as (start, text, is_marker) segments: the template's markers and the runs between them.
+    segments: list[tuple[int, str, bool]] = []
+    run_start, run_text, position = 0, "", 0
+    for text, is_message_text in pieces:
+        # re.split with a group puts the markers at the odd indices.
+        parts = [text] if is_message_text else marker_pattern.split(text)
+        for index, part in enumerate(parts):
+            if index % 2:
+                if run_text:
+                    segments.append((run_start, run_text, False))
+                segments.append((position, part, True))
+                run_start, run_text = position + len(part), ""
+            else:
+                run_text += part
+            position += len(part)
+    if run_text:
+        segments.append((run_start, run_text, False))
+
+    run_texts = [text for _, text, is_marker in segments if not is_marker]
+    encoded = iter(zip(*_tokenize_as_text(tokenizer, run_texts)))
+    input_ids, offsets = [], []
+    for start, text, is_marker in segments:
+        if is_marker:
+            input_ids.append(tokenizer.convert_tokens_to_ids(text))
+            offsets.append((start, start + len(text)))
+        else:
+            ids, spans = next(encoded)
+            input_ids.extend(ids)
+            offsets.extend((start + lo, start + hi) for lo, hi in spans)
+    return ChatEncoding(pieces, input_ids, offsets)
+
+
+def _tokenize_as_text(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    if not texts:
+        return [], []
+    encoded = tokenizer(texts, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
+    return encoded["input_ids"], encoded["offset_mapping"]
 
 
 def iter_texts(files: Iterable[str | Path]) -> Iterator[str]:
@@ -253,10 +398,21 @@ def train_tokenizer(
     return wrapped
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def load_tokenizer(path: str | Path):
     """Load a saved tokenizer with AutoTokenizer and check the fixed special ids."""
     from transformers import AutoTokenizer
 
+    # Without tokenizer.json, transformers falls back to converting a slow tokenizer and asks for
+    # sentencepiece or tiktoken, which hides the real problem: files missing from the directory.
+    missing = [name for name in TOKENIZER_FILES if not (Path(path) / name).is_file()]
+    if Path(path).is_dir() and missing:
+        raise FileNotFoundError(
+            f"{path}: tokenizer file(s) {', '.join(missing)} missing. Fix: copy them from the "
+            f"directory the model was trained with (every saved MiniMind model and the bundled "
+            f"tokenizer/ directory have them).")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     check_special_ids(tokenizer)
     return tokenizer

@@ -20,8 +20,11 @@ import copy
 import json
 import logging
 import math
+import os
+import shutil
 import sys
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +33,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments
 from transformers.hf_argparser import string_to_bool
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from configuration_minimind import MiniMindConfig
 # Importing the minimind package registers MiniMind with the Auto classes (used by from_config below).
@@ -38,6 +42,7 @@ from minimind.data import build_dataset, collator, read_jsonl, split_train_eval
 from minimind.distributed import restore_model_code, shard_for_cpu_fsdp
 from minimind.tokenizer import load_tokenizer as _load_checked_tokenizer
 from minimind.tokenizer import save_tokenizer
+from modeling_minimind import safetensors_problem
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +284,24 @@ def save_hf_directory(model, tokenizer, output_dir, training_args=None):
     finish_hf_directory(output_dir, tokenizer, training_args)
 
 
+# Checkpoints are assembled here, inside --output_dir (same filesystem, so the final rename is atomic) and outside
+# the `checkpoint-*` names that Trainer's rotation and our resume look at.
+STAGING_DIR = ".checkpoint-staging"
+
+
 class HFDirectoryMixin:
-    """Trainer mixin: the final save and every checkpoint-N go through `_save`, so all are complete HF dirs."""
+    """Trainer mixin: the final save and every checkpoint-N go through `_save`, so all are complete HF dirs; and
+    checkpoint-N appears only complete.
+
+    transformers (5.17 to 5.24) writes a checkpoint straight into `checkpoint-N`, so a kill during a save leaves a
+    partial directory, and saving step N over an older `checkpoint-N` mixes old and new files. Here Trainer writes
+    it into `<output_dir>/.checkpoint-staging/checkpoint-N`; once every process has finished, it is renamed to
+    `checkpoint-N` (an older one of that name is moved aside first) and only then are old checkpoints rotated
+    out. A kill at any moment leaves the previous checkpoints complete and `checkpoint-N` either absent or
+    complete. With --push_to_hub Trainer uploads the checkpoint directory in the background, so it is written
+    in place as transformers does."""
+
+    _staging_root = None
 
     def _save(self, output_dir=None, state_dict=None):
         super()._save(output_dir, state_dict)
@@ -288,47 +309,207 @@ class HFDirectoryMixin:
             restore_model_code(self.model, output_dir or self.args.output_dir)  # FSDP2 saves torch's code instead
             finish_hf_directory(output_dir or self.args.output_dir, self.processing_class, self.args)
 
+    def _get_output_dir(self, trial):
+        return self._staging_root or super()._get_output_dir(trial)
 
-def is_complete_checkpoint(path):
-    """Trainer writes trainer_state.json last (after weights, optimizer, scheduler and RNG state), so a checkpoint
-    whose trainer_state.json parses was fully written; one killed mid-save lacks it or has it truncated."""
+    def _save_checkpoint(self, model, trial):
+        if self.args.push_to_hub:
+            return super()._save_checkpoint(model, trial)
+        run_dir = Path(super()._get_output_dir(trial))
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging_root = run_dir / STAGING_DIR
+        staged, final, replaced = staging_root / name, run_dir / name, staging_root / f"replaced-{name}"
+        if self.args.should_save:  # what a killed save of this step left behind
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.rmtree(replaced, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        self._staging_root = str(staging_root)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_root = None
+        self.accelerator.wait_for_everyone()  # every rank has written its RNG (and sharded) state
+        if not self.args.should_save:
+            return
+        best = self.state.best_model_checkpoint
+        if best is not None and Path(best).parent == staging_root:
+            # Trainer recorded the staging path as the best checkpoint; record where it will live instead.
+            self.state.best_model_checkpoint = str(run_dir / Path(best).name)
+            self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
+        _fsync_tree(staged)  # so that a power cut cannot reorder the rename before the data
+        if final.exists():
+            os.replace(final, replaced)
+        os.replace(staged, final)
+        _fsync_tree(run_dir, files=False)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        # Trainer rotated inside the staging directory (a no-op); rotate the real checkpoints now that N exists.
+        rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+
+def _fsync_tree(path, files=True):
+    """Flush `path` (a directory) and, with files=True, everything below it to disk."""
+    paths = [path, *(p for p in Path(path).rglob("*"))] if files else [path]
+    for item in paths:
+        if not (item.is_dir() or item.is_file()):
+            continue
+        try:
+            fd = os.open(item, os.O_RDONLY)
+        except OSError:  # directories cannot be opened on every platform (Windows)
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+OPTIMIZER_FILE, SCHEDULER_FILE, SCALER_FILE = "optimizer.pt", "scheduler.pt", "scaler.pt"
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")  # full model, or a PEFT (LoRA) adapter
+SHARDED_WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def _safetensors_problem(path):
+    """None if `path` is a complete safetensors file: its header read, the file exactly as long as the header's
+    data offsets say, so a truncated or padded file is caught without reading tensors."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    problem = safetensors_problem(path)
+    return f"{path.name} is damaged ({problem})" if problem else None
+
+
+def _torch_file_problem(path):
+    """None if `path` is a complete torch.save file. torch.save writes a zip archive whose central directory is at
+    the very end, so a truncated file is no readable archive; checked without unpickling or loading tensors."""
+    if not path.is_file():
+        return f"{path.name} is missing"
     try:
-        json.loads((Path(path) / "trainer_state.json").read_text(encoding="utf-8"))
-        return True
-    except (OSError, ValueError):
-        return False
-
-
-def latest_complete_checkpoint(output_dir):
-    """Newest checkpoint-N in output_dir that was fully written, or None. Incomplete ones are skipped."""
-    if not Path(output_dir).is_dir():
-        return None
-    steps = {}
-    for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-        step = path.name.rsplit("-", 1)[1]
-        if path.is_dir() and step.isdigit():
-            steps[int(step)] = path
-    for step in sorted(steps, reverse=True):
-        if is_complete_checkpoint(steps[step]):
-            return str(steps[step])
-        logger.warning("ignoring %s: it was not completely written (killed while saving?)", steps[step])
+        with zipfile.ZipFile(path) as archive:
+            archive.infolist()
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"{path.name} is damaged (not a complete torch.save file: {error})"
     return None
 
 
-def resolve_resume_checkpoint(training_args):
+def _weights_problems(path):
+    for name in WEIGHT_FILES:
+        if (path / name).exists():
+            return [problem for problem in [_safetensors_problem(path / name)] if problem]
+    index = path / SHARDED_WEIGHTS_INDEX
+    if index.exists():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            return [f"{SHARDED_WEIGHTS_INDEX} is damaged ({error!r})"]
+        return [problem for shard in shards if (problem := _safetensors_problem(path / shard))]
+    if any(child.name.startswith("pytorch_model_fsdp") for child in path.iterdir()):
+        return []  # FSDP's sharded state, loaded (and checked) by accelerate
+    return [f"{WEIGHT_FILES[0]} is missing (no model weights)"]
+
+
+def _trainer_state_problem(path):
+    state_file = path / TRAINER_STATE_NAME
+    if not state_file.is_file():
+        return f"{TRAINER_STATE_NAME} is missing"
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"{TRAINER_STATE_NAME} is damaged ({error})"
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        return f"{TRAINER_STATE_NAME} is damaged (no integer global_step)"
+    return None
+
+
+def checkpoint_problems(path, training_args=None, scaler=False):
+    """What a resume with `training_args` would need from checkpoint `path` and is missing or damaged: [] when
+    the checkpoint is complete.
+
+    Trainer loads the weights and trainer_state.json always; unless --save_only_model also optimizer.pt and
+    scheduler.pt (it silently starts a fresh optimizer if either is missing), the RNG state of every process
+    (rng_state.pth, or rng_state_<rank>.pth per process of a multi-process run; missing ones only log at info
+    level), and scaler.pt when the run uses a gradient scaler (fp16). Under DeepSpeed the weights, optimizer and
+    scheduler are DeepSpeed's own files, which DeepSpeed checks. Without `training_args`: a full single- or
+    multi-process checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        return ["it is not a directory"]
+    problems = [problem for problem in [_trainer_state_problem(path)] if problem]
+    deepspeed = bool(getattr(training_args, "deepspeed", None))
+    if not deepspeed:
+        problems += _weights_problems(path)
+    if getattr(training_args, "save_only_model", False):
+        return problems
+    if not deepspeed:
+        # Trainer also takes an optimizer saved as optimizer.bin or in a sharded optimizer_* directory (FSDP).
+        other_optimizer = (path / "optimizer.bin").is_file() or any(
+            child.is_dir() and "optimizer" in child.name for child in path.iterdir())
+        if (path / OPTIMIZER_FILE).exists() or not other_optimizer:
+            problems.append(_torch_file_problem(path / OPTIMIZER_FILE))
+        problems.append(_torch_file_problem(path / SCHEDULER_FILE))
+    if training_args is None:
+        rng_files = sorted(path.glob("rng_state*.pth")) or [path / "rng_state.pth"]
+    elif training_args.world_size > 1:
+        rng_files = [path / f"rng_state_{rank}.pth" for rank in range(training_args.world_size)]
+    else:
+        rng_files = [path / "rng_state.pth"]
+    problems += [_torch_file_problem(rng_file) for rng_file in rng_files]
+    if scaler and not deepspeed:
+        problems.append(_torch_file_problem(path / SCALER_FILE))
+    return [problem for problem in problems if problem]
+
+
+def is_complete_checkpoint(path, training_args=None, scaler=False):
+    """Whether checkpoint `path` holds everything a resume with `training_args` loads, each file readable."""
+    return not checkpoint_problems(path, training_args, scaler)
+
+
+def checkpoint_dirs(output_dir):
+    """{step: path} of the checkpoint-N directories in output_dir."""
+    steps = {}
+    if Path(output_dir).is_dir():
+        for path in Path(output_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+            step = path.name.rsplit("-", 1)[1]
+            if path.is_dir() and step.isdigit():
+                steps[int(step)] = path
+    return steps
+
+
+def latest_complete_checkpoint(output_dir, training_args=None, scaler=False):
+    """Newest complete checkpoint-N in output_dir, or None. Newer incomplete ones are skipped with a warning that
+    names each missing or damaged file."""
+    steps = checkpoint_dirs(output_dir)
+    for step in sorted(steps, reverse=True):
+        problems = checkpoint_problems(steps[step], training_args, scaler)
+        if not problems:
+            return str(steps[step])
+        logger.warning("not resuming from %s: %s; falling back to an older checkpoint", steps[step],
+                       "; ".join(problems))
+    return None
+
+
+def resolve_resume_checkpoint(training_args, scaler=False):
     """--resume_from_checkpoint PATH, or 'last' (also true/auto/latest): the newest complete checkpoint in
-    --output_dir; starts fresh with a warning when there is none yet, so the same command can be rerun."""
+    --output_dir (see `checkpoint_problems`); starts fresh with a warning when there is no checkpoint yet, so the
+    same command can be rerun. Raises ValueError for an incomplete PATH, and for 'last' when checkpoints exist
+    but none is complete: neither may silently lose the state they hold."""
     value = training_args.resume_from_checkpoint
     if not value:
         return None
     if value.lower() in RESUME_LATEST:
-        checkpoint = latest_complete_checkpoint(training_args.output_dir)
+        checkpoint = latest_complete_checkpoint(training_args.output_dir, training_args, scaler)
         if checkpoint is None:
-            logger.warning("no complete checkpoint in %s; starting from scratch", training_args.output_dir)
+            damaged = [str(path) for _, path in sorted(checkpoint_dirs(training_args.output_dir).items())]
+            if damaged:
+                raise ValueError(
+                    f"--resume_from_checkpoint {value}: no checkpoint in {training_args.output_dir} is complete "
+                    f"({', '.join(damaged)}; the warnings above name the missing or damaged files). Fix: restore "
+                    "those files, or move the checkpoint directories away to start from scratch.")
+            logger.warning("no checkpoint in %s yet; starting from scratch", training_args.output_dir)
         return checkpoint
-    if not is_complete_checkpoint(value):
-        raise ValueError(f"{value} is not a complete checkpoint (no readable trainer_state.json). "
-                         "Fix: pass --resume_from_checkpoint last to take the newest complete one.")
+    problems = checkpoint_problems(value, training_args, scaler)
+    if problems:
+        raise ValueError(f"--resume_from_checkpoint {value}: not a complete checkpoint: {'; '.join(problems)}. "
+                         "Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest "
+                         "complete checkpoint.")
     return value
 
 
@@ -432,7 +613,8 @@ def write_loss_curve(log_history, output_dir):
 
 def train_and_save(trainer, training_args):
     """Train (resuming if asked), save the final HF directory, evaluate, and save metrics and the loss curve."""
-    checkpoint = resolve_resume_checkpoint(training_args)
+    uses_scaler = getattr(trainer.accelerator, "scaler", None) is not None
+    checkpoint = resolve_resume_checkpoint(training_args, scaler=uses_scaler)
     result = trainer.train(resume_from_checkpoint=checkpoint)
     trainer.save_model(training_args.output_dir)
     metrics = dict(result.metrics)

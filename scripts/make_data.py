@@ -9,7 +9,7 @@ pretraining text, so a tiny model trained for a few CPU minutes gives
 sensible demo replies.
 
 Usage:
-    python scripts/make_data.py                 # writes data/*.jsonl, seed 42
+    python scripts/make_data.py                 # writes data/*.jsonl, seed 42 (sft_reasoning.jsonl too)
     python scripts/make_data.py --seed 7 --out_dir /tmp/data
 
 The output is byte-identical for a given seed and set of size options.
@@ -675,6 +675,103 @@ def dpo_pair(rng: random.Random) -> dict:
 
 
 # --------------------------------------------------------------------------
+# Reasoning chats: the assistant works the answer out in "reasoning_content"
+# (rendered as a <think> block) before giving the same answer the other files
+# teach.
+# --------------------------------------------------------------------------
+
+def _counting(start: int, steps: int, direction: int) -> str:
+    return ", ".join(str(start + direction * k) for k in range(1, steps + 1))
+
+
+def plus_reasoning(rng: random.Random) -> tuple[str, str, str]:
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    if b == 0:
+        thought = f"Adding zero changes nothing, so {a} stays {a}."
+    elif b <= 5:
+        thought = f"Start at {a} and count on {b}: {_counting(a, b, 1)}. The last number is {a + b}."
+    elif b < 10:
+        thought = (f"{a} plus 10 is {a + 10}. {b} is {10 - b} less than 10, so take {10 - b} away: "
+                   f"{a + 10} minus {10 - b} is {a + b}.")
+    else:
+        thought = (f"Split {b} into 10 and {b - 10}. {a} plus 10 is {a + 10}, "
+                   f"and {a + 10} plus {b - 10} is {a + b}.")
+    return f"What is {a} plus {b}?", thought, f"{a} plus {b} is {a + b}."
+
+
+def minus_reasoning(rng: random.Random) -> tuple[str, str, str]:
+    a = rng.randint(0, 20)
+    b = rng.randint(0, a)
+    if b == 0:
+        thought = f"Taking away zero changes nothing, so {a} stays {a}."
+    elif b <= 5:
+        thought = f"Start at {a} and count back {b}: {_counting(a, b, -1)}. The last number is {a - b}."
+    else:
+        thought = (f"Which number plus {b} makes {a}? {b} plus {a - b} is {a}, "
+                   f"so {a} minus {b} is {a - b}.")
+    return f"How much is {a} minus {b}?", thought, f"{a} minus {b} is {a - b}."
+
+
+def times_reasoning(rng: random.Random) -> tuple[str, str, str]:
+    a, b = rng.randint(0, 10), rng.randint(0, 10)
+    if b == 0:
+        thought = f"Anything times zero is zero, so {a} times 0 is 0."
+    elif b == 1:
+        thought = f"Anything times one stays the same, so {a} times 1 is {a}."
+    else:
+        thought = f"{a} times {b} means adding {a} {b} times: {_counting(0, b, a)}. That makes {a * b}."
+    return f"What is {a} times {b}?", thought, f"{a} times {b} is {a * b}."
+
+
+def parity_reasoning(rng: random.Random) -> tuple[str, str, str]:
+    n = rng.randint(0, 19)
+    digit = n % 10
+    parity = "even" if n % 2 == 0 else "odd"
+    thought = (f"A number is even when its last digit is 0, 2, 4, 6 or 8. The last digit of {n} is {digit}, "
+               f"which is {parity}.")
+    return f"Is {n} odd or even?", thought, f"{n} is an {parity} number."
+
+
+def day_reasoning(rng: random.Random) -> tuple[str, str, str]:
+    i = rng.randrange(7)
+    thought = (f"The week goes {', '.join(DAYS)}, and then starts again. "
+               f"{DAYS[i]} is day {i + 1}, so the next one is {DAYS[(i + 1) % 7]}.")
+    return f"What day comes after {DAYS[i]}?", thought, f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}."
+
+
+def season_reasoning(rng: random.Random) -> tuple[str, str, str]:
+    month = rng.choice(MONTHS)
+    season = SEASON_OF_MONTH[month]
+    thought = ("Winter is December, January and February; spring is March, April and May; summer is June, "
+               f"July and August; autumn is September, October and November. {month} is in the {season} group.")
+    return f"In which season is {month}?", thought, f"{month} is in {season}."
+
+
+REASONING_TOPICS = [plus_reasoning, minus_reasoning, times_reasoning, parity_reasoning, day_reasoning,
+                    season_reasoning]
+
+
+def reasoning_conversation(rng: random.Random) -> list[dict]:
+    messages: list[dict] = []
+    if rng.random() < 0.2:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    for _ in range(rng.choices([1, 2], weights=[4, 1])[0]):
+        question, thought, answer = rng.choice(REASONING_TOPICS)(rng)
+        # Some replies skip the reasoning: an empty think block is exactly what enable_thinking=False puts in
+        # the prompt, so these teach the model to answer straight after it.
+        if rng.random() < 0.15:
+            thought = ""
+        messages += [{"role": "user", "content": question},
+                     {"role": "assistant", "content": answer, "reasoning_content": thought}]
+    return messages
+
+
+def reasoning_rows(rng: random.Random, n: int):
+    for _ in range(n):
+        yield {"conversations": reasoning_conversation(rng)}
+
+
+# --------------------------------------------------------------------------
 # Output.
 # --------------------------------------------------------------------------
 
@@ -721,6 +818,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pretrain_rows", "--pretrain-rows", type=int, default=6000)
     parser.add_argument("--sft_rows", "--sft-rows", type=int, default=5000)
     parser.add_argument("--dpo_rows", "--dpo-rows", type=int, default=400)
+    parser.add_argument("--reasoning_rows", type=int, default=400)
     args = parser.parse_args(argv)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -730,6 +828,7 @@ def main(argv: list[str] | None = None) -> None:
         ("pretrain.jsonl", pretrain_rows(random.Random(f"{args.seed}-pretrain"), args.pretrain_rows)),
         ("sft.jsonl", sft_rows(random.Random(f"{args.seed}-sft"), args.sft_rows)),
         ("dpo.jsonl", dpo_rows(random.Random(f"{args.seed}-dpo"), args.dpo_rows)),
+        ("sft_reasoning.jsonl", reasoning_rows(random.Random(f"{args.seed}-reasoning"), args.reasoning_rows)),
     ]
     for name, rows in outputs:
         lines, size = write_jsonl(args.out_dir / name, rows)

@@ -19,6 +19,14 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def torch_threads(count):
+    """A block with `count` intra-op threads. Tiny models gain nothing from a second thread, and on a loaded 2-core
+    machine OpenMP threads spinning against other jobs make each step many times slower."""
+    from minimind.benchmark import intra_op_threads
+
+    return intra_op_threads(count)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: costs more than 30 s on 2 CPU cores; deselect with -m 'not slow'")
 

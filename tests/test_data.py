@@ -65,6 +65,18 @@ BAD_LINES = [
      "'rejected' has no assistant message"),
     ("dpo", {"chosen": chat(("Q", "A")) + [{"role": "user", "content": "more"}], "rejected": chat(("Q", "B"))},
      "'chosen' must end with the assistant reply"),
+    ("dpo", {"chosen": chat(("Q", "A")), "rejected": chat(("other Q", "B"))},
+     "'chosen' and 'rejected' have different prompts (they differ at message 0; 1 and 1 messages"),
+    ("dpo", {"chosen": chat(("Q", "A"), system="Be brief."), "rejected": chat(("Q", "B"))},
+     "'chosen' and 'rejected' have different prompts (they differ at message 0; 2 and 1 messages"),
+    ("dpo", {"chosen": chat(("Q1", "A1"), ("Q2", "A")), "rejected": chat(("Q1", "other A1"), ("Q2", "B"))},
+     "'chosen' and 'rejected' have different prompts (they differ at message 1; 3 and 3 messages"),
+    ("sft", {"conversations": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": "yo", "reasoning_content": ["think"]}]},
+     "'conversations' message 1 (assistant) 'reasoning_content' must be a string, got list"),
+    ("sft", {"conversations": [{"role": "user", "content": "hi", "reasoning_content": "hmm"},
+                               {"role": "assistant", "content": "yo"}]},
+     "'conversations' message 0 (user) has 'reasoning_content', which only assistant messages may carry"),
 ]
 
 
@@ -78,6 +90,32 @@ def test_malformed_line_names_file_and_line(tmp_path, kind, bad, expected):
     assert f"my_{kind}.jsonl, line 4: " in message
     assert expected in message
     assert "Fix: " in message
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_missing_file_or_directory_is_a_data_error(tmp_path, kind):
+    path = tmp_path / "absent.jsonl"
+    if kind == "directory":
+        path.mkdir()
+    expected = (r"absent\.jsonl: no such file\. Fix: check the path \(--data_path\)" if kind == "missing" else
+                r"absent\.jsonl: is a directory, not a JSONL file\. Fix: pass the path of a \.jsonl file")
+    with pytest.raises(DataFormatError, match=expected):
+        read_jsonl(path, "sft")
+
+
+def test_utf8_bom_at_the_start_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD["sft"]).encode() + b"\n")
+    assert read_jsonl(path, "sft") == ([GOOD["sft"]], 0)
+
+
+def test_reasoning_content_on_assistant_messages_is_accepted(tmp_path):
+    reply = {"role": "assistant", "content": "7.", "reasoning_content": "3 plus 4 is 7."}
+    row = {"conversations": [{"role": "user", "content": "3 plus 4?"}, reply]}
+    path = write_lines(tmp_path / "r.jsonl", [row, {"conversations": [row["conversations"][0],
+                                                                     {**reply, "reasoning_content": None}]}])
+    rows, skipped = read_jsonl(path, "sft")
+    assert (rows[0], len(rows), skipped) == (row, 2, 0)
 
 
 def test_invalid_utf8_has_line_number(tmp_path):
@@ -184,11 +222,25 @@ def test_sft_truncation_and_drop(tmp_path, tok, caplog):
     path = write_lines(tmp_path / "t.jsonl", [GOOD["sft"], {"conversations": long_prompt}])
     with caplog.at_level(logging.WARNING, logger="minimind.data"):
         dataset = build_sft_dataset(path, tok, 24)
-    assert len(dataset) == 1 and "dropped 1 of 2" in caplog.text
+    assert len(dataset) == 1
+    assert "t.jsonl: dropped 1 of 2 sft examples whose assistant reply starts after max_seq_length=24 (line 2)" \
+        in caplog.text
     assert len(dataset[0]["input_ids"]) <= 24
     only_long = write_lines(tmp_path / "only_long.jsonl", [{"conversations": long_prompt}])
     with pytest.raises(DataFormatError, match="no sft example keeps any assistant tokens"):
         build_sft_dataset(only_long, tok, 24)
+
+
+def test_sft_drop_warning_names_the_first_dropped_lines(tmp_path, tok, caplog):
+    """Line numbers count blank and skipped lines, like every data error; at most five are shown."""
+    long_prompt = {"conversations": chat(("word " * 200, "late answer"))}
+    lines = [GOOD["sft"], "", long_prompt, "not json", long_prompt] + [long_prompt] * 5 + [GOOD["sft"]]
+    path = write_lines(tmp_path / "many.jsonl", lines)
+    with caplog.at_level(logging.WARNING, logger="minimind.data"):
+        dataset = build_sft_dataset(path, tok, 24, skip_bad_lines=True)
+    assert len(dataset) == 2 and set(dataset.column_names) == {"input_ids", "labels", "attention_mask"}
+    assert "dropped 7 of 9 sft examples whose assistant reply starts after max_seq_length=24 (line 3, 5, 6, 7, 8, " \
+           "...)" in caplog.text
 
 
 def test_sft_collator_pads(tmp_path, tok):
@@ -249,3 +301,48 @@ def test_bundled_corpus_is_valid():
     for name, kind in (("pretrain.jsonl", "pretrain"), ("sft.jsonl", "sft"), ("dpo.jsonl", "dpo")):
         rows, skipped = read_jsonl(ROOT / "data" / name, kind)
         assert rows and skipped == 0
+
+
+@pytest.mark.parametrize("kind, bad, message", [
+    ("pretrain", '{"text": "unterminated"', "invalid JSON (Expecting ',' delimiter at column 24). Fix: check for "
+     "unbalanced quotes/brackets or a trailing comma; each line must be one complete JSON object."),
+    ("pretrain", {"text": "   "}, "'text' is empty. Fix: delete the line or put text in it."),
+    ("sft", {"conversations": []}, "'conversations' is empty. Fix: add at least a user message and an assistant "
+     "reply, or delete the line."),
+    ("sft", {"conversations": [{"role": "user", "content": "hi"},
+                               {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": 5}]}]},
+     "'conversations' message 1 tool call 0 'arguments' must be an object or a JSON string. Fix: write "
+     "\"arguments\": {\"param\": value}."),
+])
+def test_malformed_line_message_is_exact_problem_and_fix(tmp_path, kind, bad, message):
+    path = write_lines(tmp_path / "data.jsonl", [bad])
+    with pytest.raises(DataFormatError) as info:
+        read_jsonl(path, kind)
+    assert str(info.value) == f"{path}, line 1: {message}"
+
+
+def test_validation_goes_on_after_an_assistant_message_with_only_tool_calls(tmp_path):
+    tool_call = {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": {"a": 1}}]}
+    bad_after = [{"role": "user", "content": "add"}, tool_call, {"role": "tool", "content": "1"},
+                 {"role": "assistant", "content": 7}]
+    path = write_lines(tmp_path / "data.jsonl", [{"conversations": bad_after}])
+    with pytest.raises(DataFormatError, match=r"line 1: 'conversations' message 3 \(assistant\) 'content' must be "
+                                              r"a string, got int"):
+        read_jsonl(path, "sft")
+
+
+@pytest.mark.parametrize("kind", ["pretrain", "sft", "dpo"])
+def test_skip_bad_lines_keeps_the_good_rows_of_every_kind(tmp_path, tok, kind):
+    """--skip_bad_lines reaches the reader for each data kind (DPO pairs are read apart from the others)."""
+    from minimind.training import DataArguments, load_datasets
+
+    path = write_lines(tmp_path / f"{kind}.jsonl", [GOOD[kind], '{"broken', GOOD[kind], GOOD[kind]])
+    tokenizer, length = tok, 16 if kind == "pretrain" else 64
+    strict = DataArguments(data_path=str(path), max_seq_length=length, eval_fraction=0)
+    with pytest.raises(DataFormatError, match=r"line 2: invalid JSON"):
+        load_datasets(kind, strict, tokenizer)
+    train, held_out = load_datasets(kind, DataArguments(data_path=str(path), max_seq_length=length,
+                                                       eval_fraction=0, skip_bad_lines=True), tokenizer)
+    assert held_out is None
+    # pretraining packs the three texts (7 tokens each with bos/eos) into one 16-token block
+    assert len(train) == (1 if kind == "pretrain" else 3)

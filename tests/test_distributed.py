@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from conftest import ROOT, load_script, model_dir
+from conftest import ROOT, load_script, model_dir, torch_threads
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with the gloo backend is not available in this torch build")
@@ -37,10 +37,8 @@ def run(command, timeout=300):
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def load(path):

@@ -300,3 +300,52 @@ def test_default_experts_implementation_is_minimind_dispatch_and_unknown_ones_ar
 def test_tiny_config_used_here_is_really_moe():
     config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2)
     assert all(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Inputs generate() and from_pretrained() would otherwise take silently or fail on deep inside
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask_length", [3, 5], ids=["short", "long"])
+def test_generate_refuses_a_mask_whose_length_is_not_the_prompts(mask_length):
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=rf"attention_mask has shape \[1, {mask_length}\] but the prompt is "
+                                         r"\[1, 4\]\. Fix: pass one mask column per prompt token"):
+        model.generate(ids, attention_mask=torch.ones(1, mask_length, dtype=torch.long), max_new_tokens=2)
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(ValueError, match=r"the prompt is \[1, 4\]"):
+        model.generate(inputs_embeds=embeds, attention_mask=torch.ones(1, mask_length, dtype=torch.long),
+                       max_new_tokens=2)
+    # the right mask still generates, and a padded one equals the unpadded prompt's tokens
+    right = model.generate(ids, attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=3,
+                           do_sample=False)
+    padded = model.generate(torch.tensor([[0, 5, 6, 7, 8]]), attention_mask=torch.tensor([[0, 1, 1, 1, 1]]),
+                            max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert right[0, 4:].tolist() == padded[0, 5:].tolist()
+
+
+def test_forward_refuses_position_ids_that_do_not_cover_the_input():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"position_ids cover 3 tokens but the input has 4\. Fix: pass one "
+                                         r"position per input token"):
+        model(torch.tensor([[5, 6, 7, 8]]), position_ids=torch.arange(3)[None])
+
+
+@pytest.mark.parametrize("keep_bytes", [5, 100, "half"])
+def test_from_pretrained_names_a_truncated_weights_file(tmp_path, keep_bytes):
+    from transformers import AutoModelForCausalLM
+
+    tiny_model().save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    full = weights.stat().st_size
+    assert modeling_minimind.safetensors_problem(weights) is None
+    with open(weights, "r+b") as file:
+        file.truncate(full // 2 if keep_bytes == "half" else keep_bytes)
+    problem = modeling_minimind.safetensors_problem(weights)
+    assert problem is not None
+    with pytest.raises(OSError, match="the safetensors file is incomplete or damaged") as raised:
+        AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    assert str(raised.value).startswith(f"{weights} ({problem})")
+    if keep_bytes == "half":
+        assert problem == f"{full // 2} bytes where its header promises {full}"

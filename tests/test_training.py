@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, load_script
+from conftest import ROOT, load_script, torch_threads
 
 TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
               "--num_key_value_heads", "2", "--intermediate_size", "96"]
@@ -25,12 +25,8 @@ FAST = ["--use_cpu", "--report_to", "none", "--max_seq_length", "32", "--per_dev
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from a second thread, and on a loaded 2-core machine OpenMP threads spinning
-    against other jobs make each step >10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def head(src, dst, n):
@@ -218,19 +214,47 @@ def test_dpo_increases_chosen_rejected_margin(pretrained, data, tmp_path):
     assert type(load_remote(out)).__name__ == "MiniMindForCausalLM"
 
 
+def reference_distillation_kl(student, teacher, labels, temperature):
+    """T^2 * KL(teacher || student) averaged over the positions whose next label is real, term by term in float64."""
+    total, count = 0.0, 0
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1] - 1):
+            if labels[b, t + 1] == -100:
+                continue
+            p = torch.softmax(teacher[b, t].double() / temperature, -1)
+            q = torch.softmax(student[b, t].double() / temperature, -1)
+            total += sum(p[v].item() * math.log(p[v].item() / q[v].item()) for v in range(p.shape[0]))
+            count += 1
+    return temperature ** 2 * total / count
+
+
 def test_distillation_kl_term():
+    """distillation_kl equals a hand-written T^2 * KL(teacher || student) over the labelled positions (without the
+    T^2 factor the value would be 4x smaller at T=2); a position the mask excludes does not count, one it includes
+    does."""
     from minimind.training import distillation_kl
 
     torch.manual_seed(0)
     student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    # Position t is scored against labels[t + 1]: counted are (0, 1), (0, 2), (0, 3), (1, 0), (1, 1).
     labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 1, 2, -100, -100]])
+    expected = reference_distillation_kl(student, teacher, labels, 2.0)
+    assert distillation_kl(student, teacher, labels, 2.0).item() == pytest.approx(expected, rel=1e-6)
+    assert expected > 0.1  # far from 0, so a missing or wrong factor cannot hide below the tolerance
+    assert distillation_kl(student, teacher, labels, 1.0).item() == pytest.approx(
+        reference_distillation_kl(student, teacher, labels, 1.0), rel=1e-6)
     assert distillation_kl(teacher, teacher, labels, 2.0).item() == pytest.approx(0.0, abs=1e-6)
-    assert distillation_kl(student, teacher, labels, 2.0).item() > 0
-    # Only positions whose next-token label is real count: changing an unlabelled position changes nothing.
-    student2 = student.clone()
-    student2[0, 0] += 5.0
-    torch.testing.assert_close(distillation_kl(student2, teacher, labels, 2.0),
-                               distillation_kl(student, teacher, labels, 2.0))
+
+    excluded = student.clone()
+    excluded[0, 0] += 5.0  # predicts labels[0, 1] = -100
+    excluded[1, 4] -= 3.0  # the last position predicts nothing
+    assert distillation_kl(excluded, teacher, labels, 2.0).item() == distillation_kl(student, teacher, labels,
+                                                                                     2.0).item()
+    included = student.clone()
+    included[1, 1, 0] += 5.0  # predicts labels[1, 2] = 2
+    changed = distillation_kl(included, teacher, labels, 2.0).item()
+    assert changed == pytest.approx(reference_distillation_kl(included, teacher, labels, 2.0), rel=1e-6)
+    assert abs(changed - expected) > 0.01
 
 
 def test_distill_from_saved_teacher_lowers_loss(pretrained, data, tmp_path):
@@ -317,9 +341,18 @@ def test_two_processes_match_one_process(data, tmp_path):
     two = tmp_path / "two"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                os.path.join(ROOT, "scripts", "pretrain.py"), *common, "--output_dir", str(two),
-               "--per_device_train_batch_size", "2", "--ddp_backend", "gloo"]
+               "--per_device_train_batch_size", "2", "--ddp_backend", "gloo",
+               "--save_strategy", "steps", "--save_steps", "5"]
     result = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    # Both ranks wrote their RNG state into the staged checkpoint before it was renamed into place.
+    from types import SimpleNamespace
+
+    from minimind.training import STAGING_DIR, checkpoint_problems
+
+    assert checkpoint_problems(two / "checkpoint-5", SimpleNamespace(world_size=2)) == []
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(two / "checkpoint-5"))
+    assert not (two / STAGING_DIR).exists()
     state = json.loads((two / "trainer_state.json").read_text())
     two_losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
 
@@ -328,3 +361,39 @@ def test_two_processes_match_one_process(data, tmp_path):
     one_losses = logged_losses(one)
     assert len(one_losses) == len(two_losses) == 5
     assert one_losses == pytest.approx(two_losses, abs=1e-4), (one_losses, two_losses)
+
+
+def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data, tmp_path, monkeypatch):
+    """Stopping after checkpoint-3 and resuming gives the uninterrupted run's per-step losses: weights, Adam state,
+    scheduler, RNG and data order all come back. The resumed run must really start at step 3 (a run that
+    ignored the checkpoint would retrain steps 0-5 and, with the same seed, log the same losses)."""
+    import shutil
+
+    from minimind import training
+
+    steps_run = []
+    original_step = training.CausalLMTrainer.training_step
+
+    def recording_step(self, *args, **kwargs):
+        steps_run.append(self.state.global_step)
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.CausalLMTrainer, "training_step", recording_step)
+    common = ["--data_path", data["pretrain"], "--max_steps", "6", "--learning_rate", "3e-3", "--eval_fraction", "0",
+              "--lr_scheduler_type", "cosine", "--warmup_steps", "2", *TINY_MODEL, *FAST,
+              "--save_strategy", "steps", "--save_steps", "3"]
+    full, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "full")])
+    assert steps_run == [0, 1, 2, 3, 4, 5]
+
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "full" / "checkpoint-3", resumed_dir / "checkpoint-3")
+    steps_run.clear()
+    resumed, _ = load_script("pretrain").main([*common, "--output_dir", str(resumed_dir),
+                                               "--resume_from_checkpoint", "last"])
+    assert steps_run == [3, 4, 5]
+    # Measured: bit-identical (same arithmetic, one thread, the same batches in the same order).
+    full_losses = [(entry["step"], entry["loss"]) for entry in full.state.log_history if "loss" in entry]
+    resumed_losses = [(entry["step"], entry["loss"]) for entry in resumed.state.log_history if "loss" in entry]
+    assert [step for step, _ in full_losses] == [1, 2, 3, 4, 5, 6]
+    assert resumed_losses == full_losses, (resumed_losses, full_losses)

@@ -1,0 +1,397 @@
+"""Fault injection: damaged checkpoints of every kind and bad data files each give a clear, named error or a
+named fallback, never silently lost state or a bare traceback.
+
+One tiny pretraining run (checkpoint-2 and checkpoint-4) is made once; each test damages a copy of it.
+"""
+
+import copy
+import json
+import logging
+import os
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, load_script, torch_threads
+
+TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2",
+              "--num_key_value_heads", "1", "--intermediate_size", "48"]
+FAST = ["--use_cpu", "--report_to", "none", "--max_seq_length", "32", "--per_device_train_batch_size", "2",
+        "--logging_steps", "1", "--disable_tqdm", "true", "--seed", "0", "--eval_fraction", "0",
+        "--learning_rate", "3e-3"]
+CHECKPOINTED = ["--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "3"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def pretrain_data(tmp_path_factory):
+    lines = Path(ROOT, "data", "pretrain.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:40]
+    path = tmp_path_factory.mktemp("data") / "pretrain.jsonl"
+    path.write_text("".join(lines), encoding="utf-8")
+    return str(path)
+
+
+def run_argv(data_path, output_dir, max_steps):
+    return ["--data_path", data_path, "--output_dir", str(output_dir), "--max_steps", str(max_steps),
+            *TINY_MODEL, *FAST, *CHECKPOINTED]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, pretrain_data):
+    """(output_dir, training_args) of a 4-step run that saved checkpoint-2 and checkpoint-4."""
+    out = tmp_path_factory.mktemp("run")
+    trainer, _ = load_script("pretrain").main(run_argv(pretrain_data, out, 4))
+    return out, trainer.args
+
+
+@pytest.fixture
+def run_copy(run, tmp_path):
+    """A private copy of the run and training arguments pointing at it, with --resume_from_checkpoint last."""
+    out = tmp_path / "run"
+    shutil.copytree(run[0], out)
+    args = copy.copy(run[1])
+    args.output_dir, args.resume_from_checkpoint = str(out), "last"
+    return out, args
+
+
+def truncate(path):
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.truncate(size // 2)
+
+
+def damage(path, how):
+    if how == "deleted":
+        path.unlink()
+    elif how == "truncated":
+        truncate(path)
+    elif how == "emptied":
+        path.write_bytes(b"")
+    else:
+        raise AssertionError(how)
+
+
+def test_saves_leave_complete_checkpoints_and_no_staging(run):
+    from minimind.training import STAGING_DIR, checkpoint_problems
+
+    out, args = run
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2",
+                                                                                         "checkpoint-4"]
+    assert not (out / STAGING_DIR).exists()
+    for name in ("checkpoint-2", "checkpoint-4"):
+        assert checkpoint_problems(out / name, args) == []
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+                "config.json", "modeling_minimind.py"} <= set(os.listdir(out / name))
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+CHECKPOINT_FILES = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"]
+DAMAGE = [(name, how) for name in CHECKPOINT_FILES for how in ("deleted", "truncated", "emptied")]
+
+
+def expected_problem(name, how):
+    return f"{name} is missing" if how == "deleted" else f"{name} is damaged"
+
+
+@pytest.mark.parametrize("name, how", DAMAGE)
+def test_last_falls_back_past_a_damaged_checkpoint_naming_the_file(run_copy, caplog, name, how):
+    from minimind.training import resolve_resume_checkpoint
+
+    out, args = run_copy
+    damage(out / "checkpoint-4" / name, how)
+    with caplog.at_level(logging.WARNING, logger="minimind.training"):
+        assert resolve_resume_checkpoint(args) == str(out / "checkpoint-2")
+    assert f"not resuming from {out / 'checkpoint-4'}: {expected_problem(name, how)}" in caplog.text
+
+
+@pytest.mark.parametrize("name, how", DAMAGE)
+def test_explicit_damaged_checkpoint_is_refused_naming_the_file(run_copy, name, how):
+    from minimind.training import resolve_resume_checkpoint
+
+    out, args = run_copy
+    damage(out / "checkpoint-4" / name, how)
+    args.resume_from_checkpoint = str(out / "checkpoint-4")
+    with pytest.raises(ValueError) as info:
+        resolve_resume_checkpoint(args)
+    message = str(info.value)
+    assert message.startswith(f"--resume_from_checkpoint {out / 'checkpoint-4'}: not a complete checkpoint: "
+                              f"{expected_problem(name, how)}")
+    assert message.endswith("Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest "
+                            "complete checkpoint.")
+
+
+def test_safetensors_one_byte_short_or_long_is_damaged(run_copy):
+    from minimind.training import checkpoint_problems
+
+    out, args = run_copy
+    weights = out / "checkpoint-4" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1])
+    assert checkpoint_problems(out / "checkpoint-4", args) == [
+        f"model.safetensors is damaged ({len(data) - 1} bytes where its header promises {len(data)})"]
+    weights.write_bytes(data + b"\0")
+    assert checkpoint_problems(out / "checkpoint-4", args)[0].startswith("model.safetensors is damaged")
+    weights.write_bytes(data)
+    assert checkpoint_problems(out / "checkpoint-4", args) == []
+
+
+def test_adapter_and_sharded_weights_are_checked_too(run_copy):
+    """LoRA checkpoints hold adapter_model.safetensors; large models a safetensors index and its shards."""
+    from minimind.training import checkpoint_problems
+
+    out, args = run_copy
+    checkpoint = out / "checkpoint-4"
+    (checkpoint / "model.safetensors").rename(checkpoint / "adapter_model.safetensors")
+    assert checkpoint_problems(checkpoint, args) == []
+    truncate(checkpoint / "adapter_model.safetensors")
+    assert checkpoint_problems(checkpoint, args)[0].startswith("adapter_model.safetensors is damaged")
+
+    (checkpoint / "adapter_model.safetensors").unlink()
+    shutil.copy(out / "checkpoint-2" / "model.safetensors", checkpoint / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert checkpoint_problems(checkpoint, args) == ["model-00002-of-00002.safetensors is missing"]
+    (checkpoint / "model.safetensors.index.json").write_text('{"weight_map": ')
+    assert checkpoint_problems(checkpoint, args)[0].startswith("model.safetensors.index.json is damaged")
+    (checkpoint / "model.safetensors.index.json").unlink()
+    assert checkpoint_problems(checkpoint, args) == ["model.safetensors is missing (no model weights)"]
+
+
+def test_trainer_state_without_a_step_is_damaged(run_copy):
+    from minimind.training import checkpoint_problems
+
+    out, args = run_copy
+    (out / "checkpoint-4" / "trainer_state.json").write_text('{"log_history": []}')
+    assert checkpoint_problems(out / "checkpoint-4", args) == [
+        "trainer_state.json is damaged (no integer global_step)"]
+
+
+def test_every_problem_is_listed(run_copy):
+    from minimind.training import checkpoint_problems
+
+    out, args = run_copy
+    (out / "checkpoint-4" / "optimizer.pt").unlink()
+    truncate(out / "checkpoint-4" / "scheduler.pt")
+    problems = checkpoint_problems(out / "checkpoint-4", args)
+    assert problems[0] == "optimizer.pt is missing" and problems[1].startswith("scheduler.pt is damaged")
+    assert len(problems) == 2
+
+
+def test_what_is_required_follows_the_training_arguments(run_copy):
+    """--save_only_model resumes need no optimizer, scheduler or RNG files; a 2-process resume needs each
+    process's RNG state; a run with a gradient scaler (fp16) needs scaler.pt."""
+    from minimind.training import checkpoint_problems
+
+    out, args = run_copy
+    checkpoint = out / "checkpoint-4"
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        (checkpoint / name).unlink()
+    assert checkpoint_problems(checkpoint, types.SimpleNamespace(save_only_model=True)) == []
+    assert checkpoint_problems(checkpoint, args) == ["optimizer.pt is missing", "scheduler.pt is missing",
+                                                     "rng_state.pth is missing"]
+
+    shutil.copytree(out / "checkpoint-2", out / "checkpoint-6")
+    two_processes = types.SimpleNamespace(save_only_model=False, world_size=2, deepspeed=None)
+    (out / "checkpoint-6" / "rng_state.pth").rename(out / "checkpoint-6" / "rng_state_0.pth")
+    assert checkpoint_problems(out / "checkpoint-6", two_processes) == ["rng_state_1.pth is missing"]
+    assert checkpoint_problems(out / "checkpoint-6", args, scaler=True) == ["rng_state.pth is missing",
+                                                                             "scaler.pt is missing"]
+
+
+def test_last_with_no_complete_checkpoint_refuses_instead_of_starting_over(run_copy, caplog):
+    from minimind.training import resolve_resume_checkpoint
+
+    out, args = run_copy
+    (out / "checkpoint-2" / "optimizer.pt").unlink()
+    (out / "checkpoint-4" / "model.safetensors").unlink()
+    with caplog.at_level(logging.WARNING, logger="minimind.training"):
+        with pytest.raises(ValueError, match=r"no checkpoint in .* is complete .*Fix: restore those files, or move "
+                                             r"the checkpoint directories away to start from scratch\."):
+            resolve_resume_checkpoint(args)
+    assert "checkpoint-4: model.safetensors is missing" in caplog.text
+    assert "checkpoint-2: optimizer.pt is missing" in caplog.text
+
+
+def test_last_with_no_checkpoint_yet_starts_from_scratch(tmp_path, caplog):
+    from minimind.training import resolve_resume_checkpoint
+
+    args = types.SimpleNamespace(resume_from_checkpoint="last", output_dir=str(tmp_path / "new"))
+    with caplog.at_level(logging.WARNING, logger="minimind.training"):
+        assert resolve_resume_checkpoint(args) is None
+    assert "no checkpoint in" in caplog.text and "starting from scratch" in caplog.text
+
+
+def test_resume_command_falls_back_when_the_newest_optimizer_is_gone(run_copy, pretrain_data, capsys):
+    """The measured bug: with the newest optimizer.pt deleted, `--resume_from_checkpoint last` used to continue
+    from it with a fresh Adam state and no warning. Now it warns and resumes from checkpoint-2."""
+    out, _ = run_copy
+    (out / "checkpoint-4" / "optimizer.pt").unlink()
+    trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint", "last"])
+    # The commands log to stdout (setup_run replaces the root logger's handlers, pytest's too).
+    assert (f"WARNING minimind.training: not resuming from {out / 'checkpoint-4'}: optimizer.pt is missing; "
+            "falling back to an older checkpoint") in capsys.readouterr().out
+    assert trainer.state.global_step == 6
+    # Resumed at step 2: steps 3 to 6 were trained again, and checkpoint-4 was rewritten whole.
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
+    assert (out / "checkpoint-4" / "optimizer.pt").is_file()
+
+
+def test_resume_command_with_truncated_weights_names_file_and_checkpoint(run_copy, pretrain_data):
+    out, _ = run_copy
+    truncate(out / "checkpoint-4" / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"--resume_from_checkpoint {out / 'checkpoint-4'}: not a complete "
+                                         r"checkpoint: model\.safetensors is damaged"):
+        load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint",
+                                      str(out / "checkpoint-4")])
+
+
+def test_a_save_killed_midway_leaves_no_checkpoint_dir(pretrain_data, tmp_path, monkeypatch):
+    """Checkpoints are written to a staging directory and renamed when whole: a save that dies after the weights
+    (here: while writing the RNG state of step 4) leaves checkpoint-2 as the newest checkpoint, and the next
+    resume continues from it and cleans up."""
+    from minimind import training
+
+    out = tmp_path / "run"
+    original = training.CausalLMTrainer._save_rng_state
+
+    def dying_save(self, output_dir):
+        if self.state.global_step == 4:
+            raise RuntimeError("simulated kill during save")
+        return original(self, output_dir)
+
+    monkeypatch.setattr(training.CausalLMTrainer, "_save_rng_state", dying_save)
+    with pytest.raises(RuntimeError, match="simulated kill"):
+        load_script("pretrain").main(run_argv(pretrain_data, out, 4))
+    staged = out / training.STAGING_DIR / "checkpoint-4"
+    assert (staged / "model.safetensors").is_file() and (staged / "optimizer.pt").is_file()
+    assert not (out / "checkpoint-4").exists()
+    assert training.latest_complete_checkpoint(out) == str(out / "checkpoint-2")
+
+    monkeypatch.setattr(training.CausalLMTrainer, "_save_rng_state", original)
+    trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 4), "--resume_from_checkpoint", "last"])
+    assert trainer.state.global_step == 4
+    assert training.checkpoint_problems(out / "checkpoint-4", trainer.args) == []
+    assert not (out / training.STAGING_DIR).exists()
+
+
+def test_saving_over_an_existing_checkpoint_replaces_it_whole(run_copy, pretrain_data):
+    """Resuming from checkpoint-2 re-saves checkpoint-4: the new one replaces the old directory (no mix of the
+    two runs' files, and no file left over from the old one)."""
+    out, _ = run_copy
+    (out / "checkpoint-4" / "stale-marker.txt").write_text("from the first run")
+    load_script("pretrain").main([*run_argv(pretrain_data, out, 4), "--resume_from_checkpoint",
+                                  str(out / "checkpoint-2")])
+    assert not (out / "checkpoint-4" / "stale-marker.txt").exists()
+    assert (out / "checkpoint-4" / "optimizer.pt").is_file()
+
+
+def test_best_checkpoint_is_recorded_at_its_final_path(pretrain_data, tmp_path):
+    """Trainer records the best checkpoint by the path it saved to; staged saves must record checkpoint-N."""
+    out = tmp_path / "run"
+    trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 4), "--eval_fraction", "0.2",
+                                               "--eval_strategy", "steps", "--eval_steps", "2",
+                                               "--load_best_model_at_end", "--metric_for_best_model", "eval_loss"])
+    best = trainer.state.best_model_checkpoint
+    assert best in (str(out / "checkpoint-2"), str(out / "checkpoint-4"))
+    saved = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["best_model_checkpoint"]
+    assert saved == best
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad data files
+# --------------------------------------------------------------------------------------------------------------
+
+def run_command(name, argv):
+    return load_script(name).main([*argv, *TINY_MODEL, *FAST, "--max_steps", "1", "--save_strategy", "no"])
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_bad_data_path_is_a_clear_error_without_traceback(tmp_path, capsys, kind):
+    path = tmp_path / "nope.jsonl"
+    if kind == "directory":
+        path = tmp_path / "a_dir"
+        path.mkdir()
+    with pytest.raises(SystemExit) as info:
+        run_command("pretrain", ["--data_path", str(path), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    expected = "no such file. Fix: check the path" if kind == "missing" else "is a directory, not a JSONL file. Fix:"
+    assert f"error: {path}: {expected}" in err
+
+
+def test_malformed_line_is_named_by_the_command(tmp_path, capsys):
+    path = tmp_path / "sft.jsonl"
+    path.write_text('{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"conversations": [{"role": "gpt", "content": "hi"}]}\n', encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        run_command("sft", ["--data_path", str(path), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert f"error: {path}, line 2: 'conversations' message 0 has unknown role 'gpt'. Fix: " in err
+
+
+def test_dpo_pair_with_different_prompts_is_refused_at_load_time(tmp_path, capsys):
+    good = {"chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+            "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]}
+    bad = {"chosen": good["chosen"], "rejected": [{"role": "user", "content": "other Q"}, good["rejected"][1]]}
+    path = tmp_path / "dpo.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n", encoding="utf-8")
+    with pytest.raises(SystemExit) as info:
+        run_command("dpo", ["--data_path", str(path), "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert (f"error: {path}, line 2: 'chosen' and 'rejected' have different prompts (they differ at message 0; "
+            "1 and 1 messages before the final reply). Fix: give both the same messages") in err
+
+
+def test_utf8_bom_is_accepted(tmp_path):
+    from minimind.data import read_jsonl
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    rows, skipped = read_jsonl(path, "pretrain")
+    assert (rows, skipped) == ([{"text": "first"}, {"text": "second"}], 0)
+    # Only at the start of the file: a BOM in the middle is not JSON whitespace.
+    path.write_bytes(b'{"text": "first"}\n\xef\xbb\xbf{"text": "second"}\n')
+    with pytest.raises(ValueError, match=r"bom\.jsonl, line 2: invalid JSON"):
+        read_jsonl(path, "pretrain")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Damaged model directories
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("missing", [["tokenizer.json"], ["tokenizer.json", "tokenizer_config.json"]])
+def test_a_model_directory_without_tokenizer_files_names_them(tmp_path, missing):
+    from conftest import model_dir
+    from minimind.chat import load_model_and_tokenizer
+
+    model_dir(tmp_path)
+    for name in missing:
+        (tmp_path / name).unlink()
+    with pytest.raises(FileNotFoundError) as raised:
+        load_model_and_tokenizer(str(tmp_path), device="cpu")
+    assert str(raised.value) == (
+        f"{tmp_path}: tokenizer file(s) {', '.join(missing)} missing. Fix: copy them from the directory the model "
+        f"was trained with (every saved MiniMind model and the bundled tokenizer/ directory have them).")
+
+
+def test_a_truncated_weights_file_in_a_model_directory_is_named_by_the_chat_loader(tmp_path):
+    from conftest import model_dir
+    from minimind.chat import load_model_and_tokenizer
+
+    model_dir(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as file:
+        file.truncate(size - 10)
+    with pytest.raises(OSError, match=rf"^{weights} \({size - 10} bytes where its header promises {size}\): the "
+                                      r"safetensors file is incomplete or damaged"):
+        load_model_and_tokenizer(str(tmp_path), device="cpu")
