@@ -33,7 +33,7 @@ test-compat:
 # llama.cpp from source (6-13 minutes on 2 cores, cached by pip afterwards), so this leg is separate from `test`.
 test-llama-cpp:
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PYTHON) -m pip install -q "llama-cpp-python==0.3.36"
-	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_export.py -q -k llama_cpp
+	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_export.py tests/test_export_gguf_types.py -q -k llama
 
 # transformers' own common model tests (ModelTesterMixin & co.) on MiniMind, Qwen3 alongside. They are fetched from
 # the installed transformers' sdist on PyPI at test time (never copied here); 40 s on a quiet 2-core machine, up to 6 minutes on a busy one.
@@ -46,3 +46,37 @@ bench:
 # Everything that needs a CUDA GPU (tests, benchmark, profiles) in one run of at most ~8 minutes; not part of CI.
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
+
+# Mutation testing with mutmut 3.8 (`pip install mutmut==3.8.1`; its settings and test selection are in setup.cfg).
+# It runs in a snapshot of the working tree under .cache/mutmut, so the scores describe the code at the start of the
+# run whatever is edited meanwhile, and mutants/ never lands in the checkout. MUTATE_SAMPLE mutants per module are
+# drawn at random with MUTATE_SEED (0: every mutant, hours on 2 cores); `mutmut results` in .cache/mutmut lists the
+# survivors and `mutmut show NAME` shows one. docs/testing.md has the scores.
+MUTATE_MODULES ?= data training export chat
+MUTATE_SAMPLE ?= 30
+MUTATE_SEED ?= 20261130
+MUTATE_JOBS ?= 1
+MUTATE_DIR := .cache/mutmut
+
+.PHONY: mutate
+mutate:
+	rm -rf $(MUTATE_DIR) && mkdir -p $(MUTATE_DIR)
+	git ls-files -co --exclude-standard -z | tar --null --ignore-failed-read -T - -cf - | tar -xf - -C $(MUTATE_DIR)
+	@# mutmut asks git which files changed since its last run; a one-commit repository says "all of them".
+	cd $(MUTATE_DIR) && git init -q && git add -A && git -c user.name=mutmut -c user.email=mutmut@localhost commit -qm snapshot
+	@# Generating the mutants first (mutmut's own steps) gives the names the sample is drawn from.
+	cd $(MUTATE_DIR) && $(PYTHON) -c "import json, random, sys, mutmut.__main__ as m; \
+	m.copy_src_dir(); m.copy_also_copy_files(); m.setup_source_paths(); m.store_lines_covered_by_tests(); \
+	m.create_mutants(2); rng = random.Random($(MUTATE_SEED)); names = []; \
+	[names.extend((lambda keys: keys if $(MUTATE_SAMPLE) <= 0 else rng.sample(keys, min($(MUTATE_SAMPLE), len(keys))))( \
+	sorted(json.load(open(f'mutants/minimind/{mod}.py.meta'))['exit_code_by_key']))) for mod in '$(MUTATE_MODULES)'.split()]; \
+	open('mutant-names.txt', 'w').write('\n'.join(names))"
+	cd $(MUTATE_DIR) && HF_HUB_OFFLINE=1 $(PYTHON) -m mutmut run --max-children $(MUTATE_JOBS) $$(cat mutant-names.txt)
+	@# Per module: killed (a test failed), timeout (counted as killed), survived, no test reached the function.
+	@cd $(MUTATE_DIR) && $(PYTHON) -c "import json, collections; \
+	names = open('mutant-names.txt').read().split(); codes = {}; \
+	[codes.update(json.load(open(f'mutants/minimind/{mod}.py.meta'))['exit_code_by_key']) for mod in '$(MUTATE_MODULES)'.split()]; \
+	kind = lambda c: {1: 'killed', 0: 'survived', 33: 'no tests', None: 'not run'}.get(c, 'timeout' if c in (-24, 24, 36) else f'exit {c}'); \
+	counts = collections.defaultdict(collections.Counter); [counts[n.split('.')[1]].update([kind(codes.get(n))]) for n in names]; \
+	[print(mod, dict(c), 'score %d/%d' % (c['killed'] + c['timeout'], sum(c.values()) - c['not run'])) for mod, c in counts.items()]; \
+	[print(kind(codes.get(n)), n) for n in sorted(names) if kind(codes.get(n)) in ('survived', 'no tests')]"

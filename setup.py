@@ -8,9 +8,10 @@ from setuptools import find_packages, setup
 
 # The installed commands: `minimind-<name>` runs `minimind.cli.<function>` (scripts/*.py run the same functions).
 COMMANDS = {
-    "pretrain": "pretrain", "sft": "sft", "lora": "lora", "dpo": "dpo", "distill": "distill", "demo": "demo",
-    "chat": "chat", "serve": "serve", "export": "export", "push": "push_to_hub", "convert": "convert",
-    "train-tokenizer": "train_tokenizer", "benchmark": "benchmark",
+    "pretrain": "pretrain", "sft": "sft", "lora": "lora", "dpo": "dpo", "distill": "distill", "grpo": "grpo",
+    "demo": "demo", "chat": "chat", "serve": "serve", "export": "export", "push": "push_to_hub", "convert": "convert",
+    "train-tokenizer": "train_tokenizer", "benchmark": "benchmark", "eval": "evaluate",
+    "web": "web",
 }
 
 setup(
@@ -23,6 +24,7 @@ setup(
     python_requires=">=3.10",
     py_modules=["configuration_minimind", "modeling_minimind"],
     packages=find_packages(include=["minimind", "minimind.*"]),
+    package_data={"minimind": ["eval_tasks/*.yaml", "eval_tasks/*.py"]},  # lm-eval task files, not a package
     entry_points={"console_scripts": [f"minimind-{name}=minimind.cli:{func}" for name, func in COMMANDS.items()]},
     install_requires=[
         "torch>=2.4",
@@ -38,6 +40,11 @@ setup(
         "export": ["gguf>=0.19"],
         "llama_cpp": ["llama-cpp-python>=0.3.36"],
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
-        "dev": ["pytest>=8", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26", "httpx>=0.27"],
+        "eval": ["lm-eval>=0.4.13"],
+        "web": ["gradio>=6.0"],
+        "mutate": ["mutmut==3.8.1"],  # `make mutate`: mutation testing, not part of `make test`
+        # playwright drives the system's chromium (apt install chromium) in the web page's browser test
+        "dev": ["pytest>=8", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26", "httpx>=0.27",
+                "lm-eval>=0.4.13", "gradio>=6.0", "playwright>=1.40"],
     },
 )

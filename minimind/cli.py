@@ -95,6 +95,25 @@ def distill(argv=None):
 
 
 @command
+def grpo(argv=None):
+    """GRPO with TRL's GRPOTrainer and verifiable rewards on the bundled chats' fact questions (answer correct,
+    format followed; optional length and repetition penalties, --reward module:function, --reward_model DIR).
+    Every GRPOConfig flag.
+
+    minimind-grpo --model_name_or_path runs/demo/sft --output_dir runs/grpo --max_steps 40
+    """
+    from minimind.rl import RewardArguments, grpo_config_class, run_grpo
+    from minimind.training import BUNDLED_DATA, parse_args
+
+    # TRL's defaults are for billion-parameter models; these suit MiniMind's short fact answers.
+    model_args, data_args, reward_args, training_args = parse_args(
+        argv, RewardArguments, training_args_class=grpo_config_class(), output_dir="out/grpo",
+        data_path=BUNDLED_DATA["sft"], eval_fraction=0.0, learning_rate=1e-5, num_generations=8,
+        max_completion_length=32, logging_steps=1)
+    return run_grpo(model_args, data_args, reward_args, training_args)
+
+
+@command
 def demo(argv=None):
     """The whole MiniMind pipeline in about five minutes on a CPU: pretrain a small model on the bundled corpus,
     fine-tune it on the bundled chats, save a Hugging Face directory, reload it with AutoModelForCausalLM
@@ -153,11 +172,15 @@ def chat(argv=None):
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top_p", type=float, default=0.9)
     parser.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
+    parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
+                        help="let the model reason in a <think> block, shown apart from the answer (default); "
+                             "--no-enable_thinking puts an empty think block in the prompt so it answers directly")
     args = parser.parse_args(argv)
     model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
     params = engine.SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    engine.chat_loop(model, tokenizer, params, system_prompt=args.system_prompt, read_line=input, out=sys.stdout)
+    engine.chat_loop(model, tokenizer, params, system_prompt=args.system_prompt, read_line=input, out=sys.stdout,
+                     enable_thinking=args.enable_thinking)
 
 
 @command
@@ -166,29 +189,81 @@ def serve(argv=None):
 
     minimind-serve --model_name_or_path runs/sft --port 8000
 
-    Then point any OpenAI client at http://127.0.0.1:8000/v1 (the API key is not checked).
+    Then point any OpenAI client at http://127.0.0.1:8000/v1. With --api_key (or MINIMIND_API_KEY set), clients
+    must send it as `Authorization: Bearer <key>`.
     """
     import os
 
     from minimind import serving
     from minimind.chat import load_model_and_tokenizer
 
+    limits = serving.ServerLimits()
     parser = _parser(serve.__doc__)
     _add_model_flags(parser)
     parser.add_argument("--served_model_name", default=None,
                         help="the `model` name clients must send (default: the directory's name)")
-    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (no auth!)")
+    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api_key", default=os.environ.get("MINIMIND_API_KEY") or None,
+                        help="require `Authorization: Bearer <key>` (default: $MINIMIND_API_KEY; unset: no key)")
     parser.add_argument("--max_context", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
-    parser.add_argument("--default_max_tokens", type=int, default=serving.DEFAULT_MAX_TOKENS,
+    parser.add_argument("--default_max_tokens", type=int, default=limits.default_max_tokens,
                         help="completion length when a request sets no max_tokens")
+    parser.add_argument("--max_tokens", type=int, default=limits.max_tokens,
+                        help="most completion tokens a request may ask for; more is a 400")
+    parser.add_argument("--max_n", type=int, default=limits.max_n, help="most choices (n) per request; more is a 400")
+    parser.add_argument("--max_prompt_tokens", type=int, default=None,
+                        help="longest prompt in tokens; longer is a 400 (default: max_context - 1)")
+    parser.add_argument("--max_concurrent_requests", type=int, default=limits.max_concurrent_requests,
+                        help="requests in progress at once; more get 429 with Retry-After")
+    parser.add_argument("--request_timeout", type=float, default=limits.request_timeout,
+                        help="seconds a request may take; then its generation stops and it gets a 504")
+    parser.add_argument("--kv_cache_tokens", type=int, default=None,
+                        help="tokens the paged KV cache holds for all requests together; requests that do not fit "
+                             "wait (default: every admitted request at full context, at most "
+                             f"{serving.ServerLimits.DEFAULT_KV_CACHE_TOKENS} unless 2 x max_context is more)")
     args = parser.parse_args(argv)
+    limits = serving.ServerLimits(max_context=args.max_context, default_max_tokens=args.default_max_tokens,
+                                  max_tokens=args.max_tokens, max_n=args.max_n,
+                                  max_prompt_tokens=args.max_prompt_tokens,
+                                  max_concurrent_requests=args.max_concurrent_requests,
+                                  request_timeout=args.request_timeout, kv_cache_tokens=args.kv_cache_tokens)
     model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
-    generator = serving.Generator(model, tokenizer, model_id, max_context=args.max_context,
-                                  default_max_tokens=args.default_max_tokens)
-    serving.serve(serving.create_app(generator), host=args.host, port=args.port)
+    try:
+        generator = serving.Generator(model, tokenizer, model_id, limits=limits)
+    except ValueError as error:
+        parser.error(str(error))
+    serving.serve(serving.create_app(generator, api_key=args.api_key or None), host=args.host, port=args.port)
+
+
+@command
+def web(argv=None):
+    """Chat with a MiniMind checkpoint in the browser (Gradio, `pip install "minimind[web]"`): streamed replies,
+    the reasoning of a <think> reply folded, sampling controls, a system prompt and the model directory on the page.
+
+    minimind-web --model_name_or_path runs/sft          # then open http://127.0.0.1:7860
+    """
+    from minimind import web as page
+    from minimind.chat import SamplingParams
+
+    parser = _parser(web.__doc__)
+    _add_model_flags(parser)
+    parser.add_argument("--system_prompt", default=None)
+    parser.add_argument("--max_new_tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.7, help="the page's starting value; 0 = greedy")
+    parser.add_argument("--top_p", type=float, default=0.9)
+    parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
+                        help="the page's starting value of 'Let the model think'")
+    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (no auth!)")
+    parser.add_argument("--port", type=int, default=7860)
+    args = parser.parse_args(argv)
+    defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    app = page.build_app(args.model_name_or_path, device=args.device, dtype=args.dtype, defaults=defaults,
+                         system_prompt=args.system_prompt, enable_thinking=args.enable_thinking)
+    page.launch(app, host=args.host, port=args.port)
+    return app
 
 
 @command
@@ -253,6 +328,59 @@ def push_to_hub(argv=None):
     return commit
 
 
+@command
+def evaluate(argv=None):
+    """Evaluate a MiniMind directory with lm-evaluation-harness (any task; default the bundled offline
+    minimind_facts) and score its tool calls on the bundled tool-use prompts. Prints the table and writes
+    eval_results.json / eval_results.md into the model directory (minimind-push puts them in the model card).
+
+    minimind-eval --model_name_or_path runs/sft
+    minimind-eval --model_name_or_path runs/sft --tasks minimind_facts hellaswag --limit 100 --batch_size 16
+    minimind-eval --write_facts_task data/eval_facts.jsonl      # rebuild the bundled task file from data/dpo.jsonl
+    """
+    from minimind.chat import DTYPES
+    from minimind.evaluate import FACTS_TASK, EvalSettings, evaluate as run, write_facts_task
+
+    parser = _parser(evaluate.__doc__)
+    parser.add_argument("--model_name_or_path", help="a MiniMind directory with its tokenizer")
+    parser.add_argument("--tasks", nargs="*", default=[FACTS_TASK],
+                        help="lm-eval task names (none: only the tool-calling score)")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task (a number below 1 is a fraction, lm-eval's rule)")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--num_fewshot", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="e.g. cuda")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--apply_chat_template", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap each prompt in the chat template (the default: MiniMind models are chat models)")
+    parser.add_argument("--include_path", nargs="*", default=[], help="more directories of lm-eval task YAMLs")
+    parser.add_argument("--tool_calling", action=argparse.BooleanOptionalAction, default=True,
+                        help="score greedy tool calls on the bundled tool-use prompts")
+    parser.add_argument("--tool_limit", type=int, default=None, help="tool-use prompts to score (default: all)")
+    parser.add_argument("--max_new_tokens", type=int, default=64, help="reply length for the tool calls")
+    parser.add_argument("--no_write", dest="write", action="store_false",
+                        help="print the table only, write nothing into the model directory")
+    parser.add_argument("--write_facts_task", metavar="PATH", default=None,
+                        help="write the bundled task's jsonl to PATH and stop")
+    args = parser.parse_args(argv)
+    if args.write_facts_task:
+        from pathlib import Path
+
+        Path(args.write_facts_task).parent.mkdir(parents=True, exist_ok=True)
+        rows = write_facts_task(args.write_facts_task)
+        print(f"wrote {args.write_facts_task}: {rows} questions")
+        return rows
+    if not args.model_name_or_path:
+        parser.error("--model_name_or_path is required (or --write_facts_task PATH)")
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    settings = EvalSettings(model_dir=args.model_name_or_path, tasks=tuple(args.tasks), limit=limit,
+                            batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                            apply_chat_template=args.apply_chat_template, num_fewshot=args.num_fewshot,
+                            include_paths=tuple(args.include_path), tool_calling=args.tool_calling,
+                            tool_limit=args.tool_limit, max_new_tokens=args.max_new_tokens, write=args.write)
+    return run(settings)
+
+
 _CONVERT_INT_FLAGS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                       "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts",
                       "num_experts_per_tok", "moe_intermediate_size")
@@ -262,22 +390,31 @@ _CONVERT_BOOL_FLAGS = ("use_moe", "qk_norm", "tie_word_embeddings", "norm_topk_p
 
 @command
 def convert(argv=None):
-    """Import an upstream MiniMind .pth checkpoint into a MiniMind Hugging Face directory.
+    """Import an upstream MiniMind checkpoint (a .pth, or a transformers-format directory) into a MiniMind
+    Hugging Face directory.
 
     minimind-convert --pth full_sft_768.pth --output_dir runs/upstream-768 \\
         --hidden_size 768 --num_hidden_layers 8 --tokenizer_name_or_path tokenizer
     minimind-convert --pth full_sft_640_moe.pth --config_json upstream_config.json --output_dir runs/upstream-moe
+    minimind-convert --from upstream-hf --model_name_or_path MiniMind2 --output_dir runs/minimind2
+
+    With --from upstream-hf the directory's config.json and tensors give the settings (the flags still override)
+    and its tokenizer is copied along unless --tokenizer_name_or_path names another.
 
     Settings come from --config_json (upstream names such as n_routed_experts are accepted), then the flags
     below override them; anything unset takes MiniMindConfig's default. Keys that do not match are listed by
     name. The result loads with AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True).
     """
-    from minimind.convert import config_from_upstream_settings, convert_upstream_checkpoint, read_settings_json
+    from minimind.convert import (config_from_upstream_settings, convert_upstream_checkpoint,
+                                  convert_upstream_directory, read_settings_json)
 
     parser = _parser(convert.__doc__)
     # --model_name_or_path like every other command: here the model to import is the upstream .pth file.
     parser.add_argument("--pth", "--model_name_or_path", dest="pth", required=True,
-                        help="upstream state dict saved with torch.save (the model to import)")
+                        help="upstream state dict saved with torch.save, or with --from upstream-hf the upstream "
+                             "directory (the model to import)")
+    parser.add_argument("--from", dest="source", choices=("pth", "upstream-hf"), default="pth",
+                        help="upstream-hf: a directory upstream's save_pretrained wrote (config.json, safetensors)")
     parser.add_argument("--output_dir", required=True, help="MiniMind model directory to write")
     parser.add_argument("--config_json", default=None, help="JSON object of upstream/MiniMind config settings")
     parser.add_argument("--tokenizer_name_or_path", default=None, help="tokenizer directory to copy along")
@@ -293,8 +430,11 @@ def convert(argv=None):
     settings = read_settings_json(args.config_json) if args.config_json else {}
     settings.update({name: getattr(args, name) for name in _CONVERT_INT_FLAGS + _CONVERT_FLOAT_FLAGS
                      + _CONVERT_BOOL_FLAGS if getattr(args, name) is not None})
-    model = convert_upstream_checkpoint(args.pth, config_from_upstream_settings(settings), args.output_dir,
-                                        args.tokenizer_name_or_path)
+    if args.source == "upstream-hf":
+        model = convert_upstream_directory(args.pth, args.output_dir, args.tokenizer_name_or_path, settings)
+    else:
+        model = convert_upstream_checkpoint(args.pth, config_from_upstream_settings(settings), args.output_dir,
+                                            args.tokenizer_name_or_path)
     print(f"wrote {args.output_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"dtype {model.dtype}")
     return model
@@ -341,10 +481,13 @@ def benchmark(argv=None):
     minimind-benchmark                       # full run (about 10 minutes on 2 CPU cores)
     minimind-benchmark --quick --output /tmp/bench.md
     minimind-benchmark --rows 'decode-*' --device cuda
+    minimind-benchmark --table peers         # llama.cpp on our GGUF export, padded vs padding-free SFT
     """
+    import os
+
     import torch
 
-    from minimind.benchmark import BenchmarkSettings, run_benchmark
+    from minimind.benchmark import TABLES, BenchmarkSettings, peers_section_of, run_benchmark, splice_peers
 
     parser = _parser(benchmark.__doc__)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -358,19 +501,33 @@ def benchmark(argv=None):
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--profile", nargs="*", default=[],
                         help="row ids or glob patterns: print torch.profiler's op table for ours and native")
+    parser.add_argument("--table", default="main", choices=TABLES,
+                        help="main: vs transformers' Qwen3; peers: llama.cpp on the GGUF export and padded vs "
+                             "padding-free SFT (CPU), its section replacing the output file's '## Peers'; all: both")
     parser.add_argument("--output", default="docs/benchmarks.md", help="markdown file to write ('-' = none)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = BenchmarkSettings(device=args.device, quick=args.quick, rows=args.rows, repeats=args.repeats,
                                  warmup=args.warmup, compile=args.compile, attn_implementation=args.attn,
-                                 profile=args.profile,
+                                 profile=args.profile, table=args.table,
                                  command=" ".join(["minimind-benchmark", *(argv or sys.argv[1:])]))
+    previous = ""
+    if args.output != "-" and os.path.exists(args.output):
+        with open(args.output) as existing:
+            previous = existing.read()
 
     def write(report):
-        if args.output != "-":
-            with open(args.output, "w") as out:
-                out.write(report.markdown())
+        if args.output == "-":
+            return
+        text = report.markdown()
+        # Each table rewrites only its own part of the file: the peers run its section, the main run the rest.
+        if args.table == "peers":
+            text = splice_peers(previous, text)
+        elif args.table == "main" and peers_section_of(previous):
+            text = text.rstrip("\n") + "\n\n" + peers_section_of(previous)
+        with open(args.output, "w") as out:
+            out.write(text)
 
     # The file is rewritten after every row, so a run stopped early still leaves the rows it finished.
     report = run_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True), on_row=write)

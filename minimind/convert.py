@@ -1,9 +1,18 @@
-"""Import an upstream MiniMind `.pth` checkpoint (a plain torch state dict) into a MiniMind HF directory.
+"""Import upstream MiniMind checkpoints into MiniMind HF directories: a `.pth` (a plain torch state dict), or a
+transformers-format directory that upstream publishes (config.json with `model_type: "minimind"` and upstream's
+field names, model.safetensors with upstream's parameter names).
 
 Upstream's parameter names are MiniMind's, so the import is: build the config from the upstream settings,
 check the key sets match exactly (every difference reported by name), load strictly, `save_pretrained`.
 Upstream keeps its RoPE tables as `freqs_cos` / `freqs_sin` buffers; MiniMind recomputes RoPE, so those are
 dropped by name.
+
+A directory's config.json does not always say everything the weights need, and upstream has two layouts:
+- MiniMind2 (2025): no q/k norm, `intermediate_size` may be null (its model then derived 8/3 x hidden rounded up
+  to 64, where MiniMind derives pi x hidden), experts named `n_routed_experts`, and its router renormalises
+  the top-k weights only when k > 1 (MiniMind's `norm_topk_prob` renormalises a top-1 weight to 1 as well);
+- the current layout: q/k norm, MiniMind's own field names (`num_experts`, `moe_intermediate_size`, ...).
+So q/k norm and the MLP widths are read off the tensors themselves, and the routing rule off the field names.
 """
 
 import json
@@ -41,6 +50,10 @@ def load_upstream_state_dict(path):
     state_dict = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         raise ValueError(f"{path} is not a plain state dict (name -> tensor) as upstream MiniMind saves it.")
+    return _strip_wrappers_and_rope_tables(state_dict)
+
+
+def _strip_wrappers_and_rope_tables(state_dict):
     cleaned = {}
     for key, value in state_dict.items():
         for prefix in _WRAPPER_PREFIXES:
@@ -75,11 +88,14 @@ def check_state_dict_matches(state_dict, model):
 def convert_upstream_checkpoint(pth_path, config, output_dir, tokenizer_name_or_path=None):
     """Write a MiniMind HF directory (safetensors in the checkpoint's dtype, config with auto_map, code
     files, generation config, tokenizer if given) from an upstream `.pth`; return the loaded model."""
+    return _write_minimind_dir(load_upstream_state_dict(pth_path), config, output_dir, tokenizer_name_or_path)
+
+
+def _write_minimind_dir(state_dict, config, output_dir, tokenizer_name_or_path=None):
     from modeling_minimind import MiniMindForCausalLM
 
     from minimind.export import copy_tokenizer_files
 
-    state_dict = load_upstream_state_dict(pth_path)
     model = MiniMindForCausalLM(config)
     check_state_dict_matches(state_dict, model)
     # Checked above; a tied head absent from the file is filled by the tie itself.
@@ -103,3 +119,91 @@ def read_settings_json(path):
                                      "torch_dtype"):
         settings.pop(transformers_bookkeeping, None)
     return settings
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Upstream transformers-format directories
+# --------------------------------------------------------------------------------------------------------------
+
+# Fields only MiniMind2's config has; their presence marks that layout.
+_MINIMIND2_FIELDS = ("n_routed_experts", "n_shared_experts", "scoring_func", "aux_loss_alpha", "seq_aux")
+_FIRST_LAYER = "model.layers.0."
+
+
+def load_upstream_directory_weights(upstream_dir):
+    """The tensors of an upstream directory: model.safetensors, its shards (model.safetensors.index.json), or
+    pytorch_model.bin (loaded weights_only), with wrapper prefixes and RoPE tables removed as for a `.pth`."""
+    from safetensors.torch import load_file
+
+    upstream_dir = Path(upstream_dir)
+    index = upstream_dir / "model.safetensors.index.json"
+    if (upstream_dir / "model.safetensors").is_file():
+        state_dict = load_file(str(upstream_dir / "model.safetensors"))
+    elif index.is_file():
+        state_dict = {}
+        for shard in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())):
+            state_dict.update(load_file(str(upstream_dir / shard)))
+    elif (upstream_dir / "pytorch_model.bin").is_file():
+        return load_upstream_state_dict(upstream_dir / "pytorch_model.bin")
+    else:
+        raise FileNotFoundError(f"{upstream_dir} has no model.safetensors, model.safetensors.index.json or "
+                                f"pytorch_model.bin. Fix: pass the directory upstream's save_pretrained wrote "
+                                f"(for a .pth file use --pth).")
+    return _strip_wrappers_and_rope_tables(state_dict)
+
+
+def settings_from_upstream_directory(config_json, state_dict):
+    """MiniMind settings for an upstream directory: its config.json, plus what only the tensors tell (q/k norm,
+    MLP widths, an untied head) and MiniMind2's top-1 routing rule. Raises ValueError for a directory that is
+    not upstream MiniMind's."""
+    settings = json.loads(Path(config_json).read_text(encoding="utf-8"))
+    model_type = settings.get("model_type") if isinstance(settings, dict) else None
+    if model_type != "minimind":
+        raise ValueError(f"{config_json}: model_type is {model_type!r}, not 'minimind'. Fix: pass "
+                         f"an upstream MiniMind directory (a MiniMind directory of this project needs no import).")
+    minimind2 = any(name in settings for name in _MINIMIND2_FIELDS)
+    for bookkeeping in ("architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype"):
+        settings.pop(bookkeeping, None)
+    if settings.get("inference_rope_scaling") and settings.get("rope_scaling"):
+        settings.pop("rope_scaling")  # upstream's YaRN preset, which inference_rope_scaling=True rebuilds
+    settings["qk_norm"] = f"{_FIRST_LAYER}self_attn.q_norm.weight" in state_dict
+    dense_width = state_dict.get(f"{_FIRST_LAYER}mlp.gate_proj.weight")
+    expert_width = state_dict.get(f"{_FIRST_LAYER}mlp.experts.0.gate_proj.weight")
+    if dense_width is not None:
+        settings["intermediate_size"] = dense_width.shape[0]
+    if expert_width is not None:
+        settings["moe_intermediate_size"] = expert_width.shape[0]
+        if settings.get("intermediate_size") is None:
+            settings["intermediate_size"] = expert_width.shape[0]
+    if "tie_word_embeddings" not in settings and "lm_head.weight" in state_dict and \
+            "model.embed_tokens.weight" in state_dict and \
+            not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]):
+        settings["tie_word_embeddings"] = False
+    if minimind2 and settings.get("use_moe") and settings.get("num_experts_per_tok", 2) == 1:
+        # MiniMind2 leaves a lone top-1 weight as the router probability; norm_topk_prob would make it 1.
+        settings["norm_topk_prob"] = False
+    return settings
+
+
+def convert_upstream_directory(upstream_dir, output_dir, tokenizer_name_or_path=None, overrides=None):
+    """Write a MiniMind HF directory from an upstream transformers-format directory; return the loaded model.
+    The tokenizer comes from the upstream directory unless another is named: the weights mean nothing with a
+    tokenizer they were not trained with."""
+    from minimind.export import TOKENIZER_FILES
+
+    upstream_dir = Path(upstream_dir)
+    if not (upstream_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{upstream_dir} has no config.json. Fix: pass the directory upstream's "
+                                f"save_pretrained wrote (for a .pth file use --pth).")
+    if not tokenizer_name_or_path and not (upstream_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{upstream_dir} has no tokenizer.json, and a checkpoint is only useful with the tokenizer "
+                         f"it was trained with. Fix: pass --tokenizer_name_or_path with upstream's tokenizer "
+                         f"directory (one holding {', '.join(TOKENIZER_FILES[:2])}).")
+    state_dict = load_upstream_directory_weights(upstream_dir)
+    settings = settings_from_upstream_directory(upstream_dir / "config.json", state_dict)
+    settings.update(overrides or {})
+    config = config_from_upstream_settings(settings)
+    if config.tie_word_embeddings and "model.embed_tokens.weight" not in state_dict and "lm_head.weight" in state_dict:
+        # A tied pair saved under the head's name alone (transformers keeps one name of a shared tensor).
+        state_dict["model.embed_tokens.weight"] = state_dict.pop("lm_head.weight")
+    return _write_minimind_dir(state_dict, config, output_dir, tokenizer_name_or_path or upstream_dir)

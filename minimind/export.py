@@ -16,7 +16,7 @@ import torch
 # so that the shipped tokenizer_config.json keeps its `PreTrainedTokenizerFast` class for transformers 4.x.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt")
-GGUF_OUTTYPES = ("f32", "f16")
+GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
 def copy_tokenizer_files(src_dir, dst_dir):
@@ -154,6 +154,9 @@ def check_gguf_compatible(config):
             _refuse(target, "norm_topk_prob", config.norm_topk_prob,
                     "but llama.cpp's qwen3moe always renormalises the top-k router weights")
     rope = config.rope_parameters
+    if rope["rope_type"] not in ("default", "linear", "yarn"):
+        _refuse(target, "rope_parameters", {"rope_type": rope["rope_type"]},
+                "has no GGUF key: llama.cpp's qwen3 knows plain, linear and YaRN RoPE and would run plain RoPE")
     if rope["rope_type"] == "yarn":
         custom = [key for key in _YARN_KEYS_LLAMA_CPP_COMPUTES if rope.get(key) is not None]
         if custom or rope.get("truncate", True) is False:
@@ -274,11 +277,36 @@ def gguf_tensors(model):
         yield gguf_name, tensor
 
 
+def _file_type(name):
+    import gguf
+
+    return getattr(gguf.LlamaFileType, name)
+
+
+GGUF_FILE_TYPES = {"f32": lambda: _file_type("ALL_F32"), "f16": lambda: _file_type("MOSTLY_F16"),
+                   "bf16": lambda: _file_type("MOSTLY_BF16"), "q8_0": lambda: _file_type("MOSTLY_Q8_0")}
+
+
+def _add_matrix(writer, name, array, outtype):
+    """One weight matrix in `outtype`: f16 as numpy float16; bf16 and q8_0 as the gguf package's raw blocks."""
+    import gguf
+
+    qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}.get(outtype)
+    block = gguf.GGML_QUANT_SIZES[qtype][0] if qtype is not None else 1
+    if qtype is None or array.shape[-1] % block:
+        writer.add_tensor(name, array.astype("float16"))
+        return
+    writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
 def export_gguf(model_name_or_path, output_file, tokenizer_name_or_path=None, outtype="f16"):
     """Write a GGUF file (architecture qwen3 / qwen3moe, tokenizer included); return its path.
 
-    `outtype` f16 stores matrices in float16 but keeps norms and the MoE router in float32, as llama.cpp's own
-    converter does (a rounded router can flip which experts a token goes to); f32 stores everything in float32.
+    `outtype` f16, bf16 and q8_0 store matrices in that type but keep norms and the MoE router in float32, as
+    llama.cpp's own converter does (a rounded router can flip which experts a token goes to); f32 stores
+    everything in float32. q8_0 (blocks of 32 int8 values with one float16 scale, quantized by the gguf package as
+    llama-quantize would) needs rows whose length is a multiple of 32; a matrix whose rows are not is stored in
+    f16 instead, again as llama.cpp's converter does.
     """
     import gguf
 
@@ -297,14 +325,15 @@ def export_gguf(model_name_or_path, output_file, tokenizer_name_or_path=None, ou
     output_file.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(output_file, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(Path(model_name_or_path).resolve().name)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if outtype == "f16" else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(GGUF_FILE_TYPES[outtype]())
     _write_gguf_hparams(writer, config)
     _write_gguf_tokenizer(writer, tokenizer_dir, config.vocab_size)
     for name, tensor in gguf_tensors(model):
         array = tensor.detach().to(torch.float32).numpy()
-        if outtype == "f16" and array.ndim > 1 and not name.endswith(".ffn_gate_inp.weight"):
-            array = array.astype("float16")
-        writer.add_tensor(name, array)
+        if outtype == "f32" or array.ndim == 1 or name.endswith(".ffn_gate_inp.weight"):
+            writer.add_tensor(name, array)
+        else:
+            _add_matrix(writer, name, array, outtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

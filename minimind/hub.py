@@ -12,7 +12,9 @@ from pathlib import Path
 from minimind.export import TOKENIZER_FILES
 
 DEFAULT_LICENSE = "apache-2.0"
-_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+# eval_results.* only where minimind-eval wrote them: its table also goes into the card.
+_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "eval_results.json",
+                "eval_results.md")
 # Shown in the card's configuration table, in this order.
 _CARD_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "qk_norm",
@@ -118,6 +120,33 @@ def describe_training(model_dir):
     return "Trained with the transformers `Trainer`:\n\n" + _markdown_table(rows)
 
 
+def describe_evaluation(model_dir):
+    """The table `minimind-eval` wrote into the directory (eval_results.md), or None when it was not run."""
+    from minimind.evaluate import RESULTS_MARKDOWN
+
+    path = Path(model_dir) / RESULTS_MARKDOWN
+    if not path.is_file():
+        return None
+    return ("Measured with `minimind-eval` (lm-evaluation-harness tasks; `tool_calling` is the share of the "
+            "bundled tool-use prompts whose greedy reply makes the right call):\n\n"
+            + path.read_text(encoding="utf-8").strip())
+
+
+def card_eval_results(model_dir):
+    """eval_results.json as huggingface_hub `EvalResult`s, the card metadata (model-index) the Hub shows in its
+    evaluation panel; [] when `minimind-eval` was not run."""
+    from huggingface_hub import EvalResult
+
+    from minimind.evaluate import RESULTS_JSON
+
+    path = Path(model_dir) / RESULTS_JSON
+    if not path.is_file():
+        return []
+    return [EvalResult(task_type="text-generation", dataset_type=row["task"], dataset_name=row["task"],
+                       metric_type=row["metric"], metric_value=row["value"])
+            for row in _read_json(path)["results"]]
+
+
 def _usage_snippet(repo_id):
     return f'''```python
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -142,8 +171,10 @@ def build_model_card(model_dir, repo_id, license=DEFAULT_LICENSE):
 
     config = _read_json(Path(model_dir) / "config.json")
     tags = ["minimind", "qwen3", "custom_code", "text-generation"] + (["moe"] if config.get("use_moe") else [])
+    eval_results = card_eval_results(model_dir)
     metadata = ModelCardData(library_name="transformers", pipeline_tag="text-generation", license=license,
-                             tags=tags)
+                             tags=tags, eval_results=eval_results or None,
+                             model_name=repo_id.split("/")[-1] if eval_results else None)
     fields = _CARD_CONFIG_FIELDS + (_CARD_MOE_FIELDS if config.get("use_moe") else ())
     rows = [(key, config[key]) for key in fields if key in config]
     rope = config.get("rope_parameters") or {}
@@ -151,6 +182,8 @@ def build_model_card(model_dir, repo_id, license=DEFAULT_LICENSE):
         rows.append(("rope_parameters", json.dumps(rope)))
     parameters = count_parameters(model_dir)
     name = repo_id.split("/")[-1]
+    evaluation = describe_evaluation(model_dir)
+    evaluation = f"## Evaluation\n\n{evaluation}\n\n" if evaluation else ""
     body = f"""# {name}
 
 A MiniMind model: a small decoder-only language model of the Llama/Qwen3 family
@@ -167,7 +200,7 @@ A MiniMind model: a small decoder-only language model of the Llama/Qwen3 family
 
 {describe_training(model_dir)}
 
-## Usage
+{evaluation}## Usage
 
 {_usage_snippet(repo_id)}
 """

@@ -92,3 +92,49 @@ def test_upstream_features_minimind_lacks_are_refused():
         config_from_upstream_settings({"use_moe": True, "n_shared_experts": 1})
     with pytest.raises(ValueError, match="scoring_func"):
         config_from_upstream_settings({"scoring_func": "sigmoid"})
+
+
+def test_tied_checkpoint_without_lm_head_and_top_level_rope_tables_imports_exactly(tmp_path):
+    """Upstream may save a tied model without `lm_head.weight`, with its RoPE tables at the top level and under
+    a `torch.compile` / DDP wrapper prefix; all of it imports to the same logits."""
+    source = tiny_model(std=0.1)
+    state_dict = {f"_orig_mod.module.{key}": value for key, value in source.state_dict().items()
+                  if key != "lm_head.weight"}
+    state_dict.update(freqs_cos=torch.randn(256, 16), freqs_sin=torch.randn(256, 16))
+    torch.save(state_dict, tmp_path / "tied.pth")
+    model = _convert("--pth", tmp_path / "tied.pth", "--output_dir", tmp_path / "hf", *TINY_FLAGS)
+    ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids).logits, source(ids).logits, atol=0, rtol=0)
+
+
+def test_tied_config_with_a_different_lm_head_is_refused_naming_the_fix(tmp_path):
+    state_dict = dict(tiny_model().state_dict())
+    state_dict["lm_head.weight"] = state_dict["lm_head.weight"] + 1
+    torch.save(state_dict, tmp_path / "untied.pth")
+    with pytest.raises(ValueError) as error:
+        _convert("--pth", tmp_path / "untied.pth", "--output_dir", tmp_path / "hf", *TINY_FLAGS)
+    assert str(error.value) == ("tie_word_embeddings=True but the checkpoint's lm_head.weight differs from "
+                                "model.embed_tokens.weight. Fix: pass --no_tie_word_embeddings.")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_files_that_are_not_a_state_dict_or_settings_object_are_refused(tmp_path):
+    from minimind.convert import load_upstream_state_dict, read_settings_json
+
+    torch.save([torch.zeros(1)], tmp_path / "list.pth")
+    torch.save({"weight": torch.zeros(1), "step": 3}, tmp_path / "mixed.pth")
+    for name in ("list.pth", "mixed.pth"):
+        with pytest.raises(ValueError) as error:
+            load_upstream_state_dict(tmp_path / name)
+        assert str(error.value) == (f"{tmp_path / name} is not a plain state dict (name -> tensor) as upstream "
+                                    "MiniMind saves it.")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError) as error:
+        read_settings_json(tmp_path / "list.json")
+    assert str(error.value) == f"{tmp_path / 'list.json'} must hold a JSON object of config settings."
+    # transformers' own bookkeeping in a saved config.json is not a setting
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "architectures": ["X"], "auto_map": {},
+                                                      "model_type": "minimind", "transformers_version": "5",
+                                                      "dtype": "float32", "torch_dtype": "float32"}))
+    assert read_settings_json(tmp_path / "config.json") == {"hidden_size": 64}

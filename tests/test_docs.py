@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TOKENIZER_DIR, load_script, model_dir, tiny_model
+from conftest import ROOT, TOKENIZER_DIR, load_script, model_dir, tiny_model, torch_threads
 
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "data", "README.md"),
         *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -136,6 +136,9 @@ def workspace(tmp_path_factory):
         upstream_pth(root / name, dense)
     upstream_pth(root / "out" / "full_sft_640_moe.pth", tiny_model(use_moe=True, num_experts=4))
     (root / "upstream_config.json").write_text(json.dumps({**UPSTREAM_TINY, "use_moe": True, "n_routed_experts": 4}))
+    from test_upstream import current_config, upstream_dir  # an upstream transformers-format directory
+
+    upstream_dir(root / "MiniMind2", tiny_model(), current_config(tiny_model()))
     slices = root / "slices"
     slices.mkdir()
     for kind, rows in (("pretrain", 60), ("sft", 24), ("dpo", 8)):
@@ -146,10 +149,8 @@ def workspace(tmp_path_factory):
 @pytest.fixture
 def in_workspace(workspace, monkeypatch):
     monkeypatch.chdir(workspace)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models gain nothing from a second thread on a shared machine
-    yield workspace
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield workspace
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -217,6 +218,14 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         report = main(list(argv))
         assert not report.settings.quick and report.settings.device == \
             (argv[argv.index("--device") + 1] if "--device" in argv else "auto")
+    elif name == "web":  # the page runs until stopped: built, not served
+        pytest.importorskip("gradio")
+        import minimind.web
+
+        launched = []
+        monkeypatch.setattr(minimind.web, "launch", lambda app, host, port: launched.append((host, port)))
+        main(list(argv))
+        assert launched == [("127.0.0.1", int(argv[argv.index("--port") + 1]) if "--port" in argv else 7860)]
     elif name == "serve":  # a server runs until stopped: one request instead
         import minimind.serving
         from starlette.testclient import TestClient
@@ -238,7 +247,7 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         out = argv[argv.index("--out_dir") + 1].strip("/").replace("/", "-") if "--out_dir" in argv else "data"
         main([*argv, "--out_dir", str(workspace / out)])
         if "--seed" not in argv:  # the default seed makes the bundled files, byte for byte
-            for kind in ("pretrain", "sft", "dpo"):
+            for kind in ("pretrain", "sft", "dpo", "sft_reasoning"):
                 assert (workspace / out / f"{kind}.jsonl").read_bytes() == \
                     Path(ROOT, "data", f"{kind}.jsonl").read_bytes()
     elif name == "train_tokenizer":

@@ -74,8 +74,9 @@ def test_export_qwen3_moe_with_dense_layer_same_logits(tmp_path):
 
 
 def test_export_qwen3_refuses_qk_norm_false():
-    with pytest.raises(ValueError, match="qk_norm=False"):
+    with pytest.raises(ValueError, match=r"^Cannot export to qwen3: qk_norm=False but Qwen3 always applies RMSNorm"):
         check_qwen3_compatible(tiny_config(qk_norm=False))
+    assert check_qwen3_compatible(tiny_config(use_moe=True, decoder_sparse_step=2, num_hidden_layers=2)) is None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -138,6 +139,19 @@ def test_gguf_dense_metadata_tokenizer_and_tensors(tmp_path):
 
 
 @needs_gguf
+@pytest.mark.parametrize("rope, expected", [
+    (None, {}),
+    ({"rope_type": "linear", "factor": 2.0}, {"rope.scaling.type": "linear", "rope.scaling.factor": 2.0}),
+], ids=["default", "linear"])
+def test_gguf_rope_scaling_metadata(tmp_path, rope, expected):
+    _model_dir(tmp_path / "src", with_tokenizer=True, rope_scaling=rope)
+    path = _export("--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out")
+    _, fields, _ = _gguf_reader(path)
+    scaling = {key[len("qwen3."):]: value for key, value in fields.items() if key.startswith("qwen3.rope.scaling.")}
+    assert scaling == pytest.approx(expected)
+
+
+@needs_gguf
 def test_gguf_moe_expert_tensors_and_counts(tmp_path):
     ours = _model_dir(tmp_path / "src", use_moe=True, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, tie_word_embeddings=False)
@@ -166,17 +180,46 @@ def test_gguf_moe_expert_tensors_and_counts(tmp_path):
     assert "output.weight" in tensors  # untied head exported
 
 
-@pytest.mark.parametrize("overrides, field", [
-    ({"use_moe": True, "num_hidden_layers": 3, "mlp_only_layers": [1]}, "mlp_only_layers"),
-    ({"use_moe": True, "decoder_sparse_step": 2}, "decoder_sparse_step"),
-    ({"use_moe": True, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"qk_norm": False}, "qk_norm"),
-    ({"rope_scaling": {**YARN, "attention_factor": 1.0}}, "rope_parameters"),
-])
-def test_gguf_refuses_settings_llama_cpp_cannot_run(overrides, field):
-    with pytest.raises(ValueError, match=field):
+# Every refusal docs/ecosystem-export.md lists, each with the field and the value in the message.
+@pytest.mark.parametrize("overrides, field, value", [
+    ({"use_moe": True, "num_hidden_layers": 3, "mlp_only_layers": [1]}, "mlp_only_layers/decoder_sparse_step",
+     "([1], 1)"),
+    ({"use_moe": True, "decoder_sparse_step": 2}, "mlp_only_layers/decoder_sparse_step", "([], 2)"),
+    ({"use_moe": True, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob", "False"),
+    ({"attention_bias": True}, "attention_bias", "True"),
+    ({"qk_norm": False}, "qk_norm", "False"),
+    ({"hidden_act": "gelu"}, "hidden_act", "'gelu'"),
+    ({"rope_scaling": {**YARN, "attention_factor": 1.0}}, "rope_parameters", "{'attention_factor': 1.0, 'truncate': None}"),
+    ({"rope_scaling": {**YARN, "mscale": 0.707, "mscale_all_dim": 1.0}}, "rope_parameters",
+     "{'mscale': 0.707, 'mscale_all_dim': 1.0, 'truncate': None}"),
+    ({"rope_scaling": {**YARN, "truncate": False}}, "rope_parameters", "{'truncate': False}"),
+], ids=lambda v: v if isinstance(v, str) and "{" not in v and "(" not in v else None)
+def test_gguf_refuses_settings_llama_cpp_cannot_run(overrides, field, value):
+    with pytest.raises(ValueError) as refused:
         check_gguf_compatible(tiny_config(**overrides))
+    message = str(refused.value)
+    assert message.startswith(f"Cannot export to gguf: {field}={value} "), message
+    assert message.endswith(". The export would not give the same outputs, so it is refused."), message
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_moe": True, "num_experts_per_tok": 2},
+                                       {"rope_scaling": YARN}, {"hidden_act": "swish"}])
+def test_gguf_accepts_what_llama_cpp_runs(overrides):
+    assert check_gguf_compatible(tiny_config(**overrides)) is None
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+     "original_max_position_embeddings": 64},
+], ids=lambda r: r["rope_type"])
+def test_gguf_refuses_rope_types_it_has_no_keys_for(rope):
+    with pytest.raises(ValueError, match=rf"^Cannot export to gguf: rope_parameters={{'rope_type': "
+                                         rf"'{rope['rope_type']}'}} has no GGUF key: llama.cpp's qwen3 knows plain, "
+                                         r"linear and YaRN RoPE and would run plain RoPE\. The export would not"):
+        check_gguf_compatible(tiny_config(rope_parameters=dict(rope)))
 
 
 @needs_gguf
@@ -225,3 +268,22 @@ def test_llama_cpp_runs_gguf_with_our_tokens_and_greedy_output(tmp_path, overrid
         if len(theirs_greedy) == 8:
             break
     assert theirs_greedy == ours_greedy[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"attention_bias": True, "rope_scaling": YARN, "tie_word_embeddings": False, "attention_dropout": 0.1},
+    {"use_moe": True, "num_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.123,
+     "norm_topk_prob": False, "output_router_logits": True, "num_hidden_layers": 3, "mlp_only_layers": [1],
+     "moe_intermediate_size": 32},
+], ids=["dense", "moe"])
+def test_qwen3_config_carries_every_setting_the_two_share(overrides):
+    from minimind.export import qwen3_config
+
+    ours = tiny_config(**overrides).to_dict()
+    theirs = qwen3_config(tiny_config(**overrides)).to_dict()
+    bookkeeping = {"model_type", "architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"}
+    shared = (set(ours) & set(theirs)) - bookkeeping
+    assert {"attention_bias", "rope_parameters", "head_dim", "rms_norm_eps"} <= shared
+    if overrides.get("use_moe"):
+        assert {"router_aux_loss_coef", "norm_topk_prob", "mlp_only_layers", "moe_intermediate_size"} <= shared
+    assert {key: theirs[key] for key in shared} == {key: ours[key] for key in shared}

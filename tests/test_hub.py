@@ -89,7 +89,8 @@ def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
     assert card.data.library_name == "transformers"
     assert card.data.pipeline_tag == "text-generation"
     assert card.data.license == "apache-2.0"
-    assert {"minimind", "custom_code"} <= set(card.data.tags)
+    assert card.data.tags == ["minimind", "qwen3", "custom_code", "text-generation"]
+    assert "(dense)" in card.text and "(mixture of experts)" not in card.text
     text = card.text
     assert "| `hidden_size` | 64 |" in text and "| `num_hidden_layers` | 2 |" in text
     parameters = sum(p.numel() for p in model.parameters())  # shared (tied) tensors counted once
@@ -117,10 +118,30 @@ def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path):
     os.remove(tmp_path / "m" / "modeling_minimind.py")
     with FakeHub() as hub, pytest.raises(ValueError) as error:
         load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "m"), "--repo_id", "a/b"])
-    message = str(error.value)
-    for problem in ("generation_config.json", "modeling_minimind.py", "tokenizer.json"):
-        assert problem in message
+    d = tmp_path / "m"
+    tokenizer_fix = "(pass --tokenizer_name_or_path tokenizer/ or save the tokenizer into the model directory)"
+    assert str(error.value) == "\n- ".join([
+        f"Cannot publish {d}:",
+        f"auto_map names 'modeling_minimind.MiniMindModel' but modeling_minimind.py is not in {d}",
+        f"auto_map names 'modeling_minimind.MiniMindForCausalLM' but modeling_minimind.py is not in {d}",
+        "no generation_config.json (save_pretrained of the model writes it)",
+        f"no tokenizer.json in {d} {tokenizer_fix}",
+        f"no tokenizer_config.json in {d} {tokenizer_fix}"])
     assert not hub.repos and not hub.commits  # nothing created before the check
+
+
+def test_push_passes_the_token_and_commit_message_and_cards_moe_models(tmp_path):
+    model_dir(tmp_path / "moe", use_moe=True, num_experts=4, num_experts_per_tok=2)
+    with FakeHub() as hub:
+        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "moe"), "--repo_id", "a/moe",
+                                          "--token", "hf_test_token"])
+    ((repo_id, repo_kwargs),) = hub.repos
+    (commit,) = hub.commits
+    assert (repo_id, repo_kwargs["token"]) == ("a/moe", "hf_test_token")
+    assert (commit["commit_message"], commit["token"]) == ("Upload MiniMind model", "hf_test_token")
+    card = ModelCard(commit["files"]["README.md"].decode())
+    assert card.data.tags == ["minimind", "qwen3", "custom_code", "text-generation", "moe"]
+    assert "(mixture of experts)" in card.text and "(dense)" not in card.text
 
 
 def test_model_push_to_hub_commits_code_config_and_safetensors():
@@ -134,3 +155,16 @@ def test_model_push_to_hub_commits_code_config_and_safetensors():
     auto_map = json.loads(commit["files"]["config.json"])["auto_map"]
     assert auto_map["AutoConfig"] == "configuration_minimind.MiniMindConfig"
     assert auto_map["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"
+
+
+def test_model_card_is_titled_by_the_repo_name_and_lists_a_scaled_rope(tmp_path):
+    from minimind.hub import build_model_card
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    model_dir(tmp_path / "m", rope_parameters=rope)
+    card = build_model_card(tmp_path / "m", "someone/my-minimind")
+    assert card.text.lstrip().startswith("# my-minimind\n")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())["rope_parameters"]
+    assert f"| `rope_parameters` | {json.dumps(saved)} |" in card.text
+    model_dir(tmp_path / "plain")
+    assert "rope_parameters" not in build_model_card(tmp_path / "plain", "someone/plain").text

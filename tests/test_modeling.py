@@ -58,19 +58,69 @@ def test_toy_walkthrough_numbers():
     torch.testing.assert_close(Y[0], torch.tensor([[2.0, 2.0], [2.0, -1.0]]), atol=1e-6, rtol=0)
 
 
-def test_shape_ledger():
-    B, T, d, h = 2, 5, 12, 3
-    config = MiniMindConfig(vocab_size=11, hidden_size=d, num_attention_heads=h, num_key_value_heads=h,
-                            num_hidden_layers=1, intermediate_size=16, attn_implementation="eager")
-    attn = MiniMindAttention(config, 0)
-    x = torch.randn(B, T, d)
-    q = attn.q_proj(x).view(B, T, h, -1).transpose(1, 2)
-    assert list(q.shape) == [2, 3, 5, 4]  # split Q
-    assert list((q[0, 0] @ q[0, 0].T).shape) == [5, 5]  # one head's scores
-    cos, sin = MiniMindRotaryEmbedding(config)(x, torch.arange(T)[None])
-    out, weights = attn(x, (cos, sin), attention_mask=None)
-    assert list(out.shape) == [2, 5, 12]  # concatenated heads after W_O
-    assert list(weights.shape) == [2, 3, 5, 5]
+def test_shape_ledger(monkeypatch):
+    """The README's shape table, read off the tensors a real forward produces (hooks and spies on the model's
+    own calls), for a prefill and then a one-token cached decode step, with GQA (H=4 query, K=2 key/value heads)."""
+    import modeling_minimind
+
+    B, T, D, H, K, Dh, V = 2, 5, 64, 4, 2, 16, 97
+    model = tiny_model(attn_implementation="eager")
+    seen = []
+
+    def record(stage):
+        return lambda module, args, output: seen.append((stage, tuple(args[0].shape), tuple(output.shape)))
+
+    layer = model.model.layers[0]
+    hooks = [model.model.embed_tokens.register_forward_hook(record("embed")),
+             layer.input_layernorm.register_forward_hook(record("norm")),
+             layer.self_attn.q_norm.register_forward_hook(record("q_norm")),
+             layer.self_attn.k_norm.register_forward_hook(record("k_norm")),
+             layer.self_attn.o_proj.register_forward_hook(record("o_proj")),
+             layer.mlp.register_forward_hook(record("mlp")),
+             model.lm_head.register_forward_hook(record("lm_head"))]
+    # RoPE and the kernel are module-level functions shared by both layers: record them inside layer 0 only.
+    in_layer0 = []
+    hooks += [layer.self_attn.register_forward_pre_hook(lambda *_: in_layer0.append(True)),
+              layer.self_attn.register_forward_hook(lambda *_: in_layer0.clear())]
+    real_rope, real_interface = modeling_minimind.apply_rotary_pos_emb, modeling_minimind._attention_interface
+
+    def rope_spy(q, k, cos, sin):
+        q_rot, k_rot = real_rope(q, k, cos, sin)
+        if in_layer0:
+            seen.append(("rope", tuple(q.shape), tuple(k.shape), tuple(q_rot.shape), tuple(k_rot.shape)))
+        return q_rot, k_rot
+
+    def interface_spy(module):
+        kernel = real_interface(module)
+
+        def spy(module, q, k, v, mask, **kwargs):
+            out, weights = kernel(module, q, k, v, mask, **kwargs)
+            if in_layer0:
+                seen.append(("kernel", tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(out.shape)))
+            return out, weights
+        return spy
+
+    monkeypatch.setattr(modeling_minimind, "apply_rotary_pos_emb", rope_spy)
+    monkeypatch.setattr(modeling_minimind, "_attention_interface", interface_spy)
+    ids = torch.randint(0, V, (B, T))
+    with torch.no_grad():
+        cache = getattr(model(ids, use_cache=True), _CACHE_FIELD)
+        model(torch.randint(0, V, (B, 1)), cache=cache)
+    for hook in hooks:
+        hook.remove()
+
+    def ledger(t, s):
+        return [("embed", (B, t), (B, t, D)), ("norm", (B, t, D), (B, t, D)),
+                ("q_norm", (B, t, H, Dh), (B, t, H, Dh)), ("k_norm", (B, t, K, Dh), (B, t, K, Dh)),
+                ("rope", (B, H, t, Dh), (B, K, t, Dh), (B, H, t, Dh), (B, K, t, Dh)),
+                # the kernel gets k/v with the cache appended (S) and returns heads last-but-one
+                ("kernel", (B, H, t, Dh), (B, K, s, Dh), (B, K, s, Dh), (B, t, H, Dh)),
+                ("o_proj", (B, t, H * Dh), (B, t, D)), ("mlp", (B, t, D), (B, t, D))]
+
+    head = ("lm_head", (B, T, D), (B, T, V))
+    prefill, decode = seen[:seen.index(head) + 1], seen[seen.index(head) + 1:]
+    assert prefill == ledger(T, T) + [("lm_head", (B, T, D), (B, T, V))]
+    assert decode == ledger(1, T + 1) + [("lm_head", (B, 1, D), (B, 1, V))]
 
 
 @pytest.mark.parametrize("route", ["dense", "moe", "cached-decode"])
@@ -171,7 +221,31 @@ def test_left_padded_row_equals_unpadded_row():
     assert torch.equal(together[1, 6:], alone_long[0, 6:])
 
 
-def test_sampling_beam_search_and_streamer_run_through_generation_mixin():
+def test_sampling_and_beam_search_equal_qwen3_with_same_weights_and_seed():
+    ours = tiny_model(std=0.2, attn_implementation="eager")
+    theirs = to_qwen3_model(ours)
+    prompt = torch.tensor([[5, 17, 42], [9, 3, 61]])
+    sample = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, pad_token_id=0)
+    beam = dict(max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=2, pad_token_id=0,
+                output_scores=True, return_dict_in_generate=True)
+    outputs = {}
+    for name, model in (("ours", ours), ("theirs", theirs)):
+        torch.manual_seed(1234)
+        sampled = model.generate(prompt, **sample)
+        torch.manual_seed(4321)  # a second seed: the same draw twice would not show that the seed matters
+        resampled = model.generate(prompt, **sample)
+        outputs[name] = sampled, resampled, model.generate(prompt, **beam)
+    (sampled, resampled, beams), (ref_sampled, ref_resampled, ref_beams) = outputs["ours"], outputs["theirs"]
+    assert torch.equal(sampled, ref_sampled) and torch.equal(resampled, ref_resampled)
+    assert not torch.equal(sampled, resampled)  # sampling really samples at this temperature
+    assert beams.sequences.shape == (4, 11)
+    assert torch.equal(beams.sequences, ref_beams.sequences)
+    torch.testing.assert_close(beams.sequences_scores, ref_beams.sequences_scores, atol=1e-5, rtol=1e-5)
+    greedy = ours.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(sampled, greedy)
+
+
+def test_streamer_receives_the_prompt_then_each_generated_token():
     class Recorder:  # the streamer protocol: put(prompt), put(token) per step, end()
         def __init__(self):
             self.chunks = []
@@ -184,14 +258,10 @@ def test_sampling_beam_search_and_streamer_run_through_generation_mixin():
 
     model = tiny_model(std=0.2)
     prompt = torch.tensor([[5, 17, 42]])
-    torch.manual_seed(0)
-    sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
-    assert sampled.shape == (1, 9)
-    beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, num_return_sequences=2)
-    assert beams.shape == (2, 9)
     recorder = Recorder()
     streamed = model.generate(prompt, max_new_tokens=4, do_sample=False, streamer=recorder)
-    assert recorder.chunks[-1] is None and len(recorder.chunks) == 1 + 4 + 1
+    assert torch.equal(recorder.chunks[0].view(-1), prompt[0]) and recorder.chunks[-1] is None
+    assert len(recorder.chunks) == 1 + 4 + 1
     assert torch.equal(torch.cat([c.view(-1) for c in recorder.chunks[1:-1]]), streamed[0, 3:])
 
 
@@ -274,7 +344,8 @@ def test_flash_attention_2_without_the_package_is_a_clear_error():
 # Parity with transformers' Qwen3 / Qwen3-MoE
 # ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                                  {"rope_type": "linear", "factor": 4.0}], ids=["default", "yarn", "linear"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_equal_qwen3_with_same_weights(rope, tied):
     ours = tiny_model(std=0.1, rope_scaling=rope, tie_word_embeddings=tied, attn_implementation="eager")
@@ -285,6 +356,12 @@ def test_logits_equal_qwen3_with_same_weights(rope, tied):
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=1e-5)
     if rope:
         assert ours.model.rotary_emb.attention_scaling == pytest.approx(theirs.model.rotary_emb.attention_scaling)
+        assert theirs.config.rope_parameters["rope_type"] == rope["rope_type"]
+        # The scaling must change the numbers, or a config that silently fell back to plain RoPE would pass.
+        unscaled = tiny_model(std=0.1, tie_word_embeddings=tied, attn_implementation="eager")
+        unscaled.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert (ours(ids).logits - unscaled(ids).logits).abs().max() > 1e-3
 
 
 ROPE_TYPES = [

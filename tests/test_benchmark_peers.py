@@ -1,0 +1,170 @@
+"""The peers table (`minimind-benchmark --table peers`) in --quick mode: llama.cpp on the project's GGUF export,
+MiniMind's generate, padded vs padding-free SFT. Checked with counts and byte totals, never timings."""
+
+import os
+
+import pytest
+import torch
+
+from minimind.benchmark import (PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeersReport,
+                                amx_int8, gguf_matrix_bytes, llama_cpp_missing, matmul_params_per_token,
+                                peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
+                                splice_peers, weight_bytes_per_token)
+from minimind.data import build_dataset
+
+from conftest import ROOT, TOKENIZER_DIR, load_script
+
+MAIN_PART = "# MiniMind vs transformers' Qwen3 / Qwen3-MoE\n\n## Results\n\n| row |\n|---|\n| kept |\n"
+
+
+def _table(markdown):
+    lines = [line for line in markdown.split("## Peers", 1)[1].splitlines() if line.startswith("|")]
+    split = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    return split[0], [dict(zip(split[0], row)) for row in split[2:]]
+
+
+@pytest.fixture(scope="module")
+def peers_run(tmp_path_factory):
+    """The command as a user runs it, into a file that already holds the main table."""
+    output = tmp_path_factory.mktemp("peers") / "benchmarks.md"
+    output.write_text(MAIN_PART)
+    report = load_script("benchmark").main(["--quick", "--device", "cpu", "--table", "peers", "--output",
+                                            str(output)])
+    return report, output.read_text()
+
+
+def test_table_has_every_peer_row_in_order_and_keeps_the_main_table(peers_run):
+    report, text = peers_run
+    assert isinstance(report, PeersReport)
+    assert text.startswith(MAIN_PART.rstrip("\n") + "\n\n## Peers\n")  # the main part untouched
+    header, rows = _table(text)
+    assert header == PEER_COLUMNS
+    assert [r["row"] for r in rows] == [w.row_id for w in peer_workloads()]
+    assert "copy bandwidth measured in this run" in text and "- cores:" in text
+    for r in rows:
+        if r["engine"] == "minimind":  # needs nothing beyond the project's own requirements
+            assert not r["notes"].startswith("skipped")
+        if not r["notes"].startswith("skipped"):
+            assert float(r["tok/s"].replace(",", "")) > 0
+
+
+def test_llama_cpp_rows_run_or_say_why_not(peers_run):
+    _, text = peers_run
+    _, rows = _table(text)
+    missing = llama_cpp_missing()
+    for r in rows:
+        if r["engine"] != "llama.cpp":
+            continue
+        if missing:
+            assert r["notes"] == "skipped: " + missing
+        elif r["weights"] == "q8_0" and amx_int8():
+            assert "amx_int8" in r["notes"] and "llama.cpp#20824" in r["notes"] and r["tok/s"] == "-"
+        else:
+            assert r["notes"] == "n_threads 1" and float(r["tok/s"].replace(",", "")) > 0
+
+
+def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
+    report, text = peers_run
+    _, rows = _table(text)
+    decode = {r["row"]: r for r in rows if "-decode-" in r["row"] and not r["notes"].startswith("skipped")}
+    for r in decode.values():
+        equal, compared = (int(x) for x in r["greedy tokens = MiniMind fp32"].split(" / "))
+        assert compared == 8 and 0 <= equal <= 8 and r["B x T (+new)"].endswith("(+8)")
+    assert decode["peers-decode-minimind-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
+    if not llama_cpp_missing():
+        # Same weights in the same precision: llama.cpp's float32 graph picks the same greedy tokens.
+        assert decode["peers-decode-llamacpp-f32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
+        assert report.row("peers-decode-llamacpp-f32").same_tokens == (8, 8)
+
+
+def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losses(peers_run):
+    report, _ = peers_run
+    padded, packed = report.row("peers-sft-512-padded"), report.row("peers-sft-512-packed")
+    assert len(padded.losses) == len(packed.losses) == 2
+    assert max(abs(a - b) for a, b in zip(padded.losses, packed.losses)) < 1e-5
+    # The first 2 x 2 chats of the bundled file, counted independently of the collators.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    dataset = build_dataset("sft", os.path.join(ROOT, "data", "sft.jsonl"), tokenizer, 512).select(range(4))
+    real = sum(len(ids) for ids in dataset["input_ids"])
+    assert padded.tokens == packed.tokens == real
+    assert f"{real:,} real tokens of {4 * 512:,}" in padded.note
+    assert f"{real:,} real tokens of {real:,} (100%)" in packed.note
+
+
+def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
+    report, text = peers_run
+    ctx = PeerContext(BenchmarkSettings(quick=True), str(tmp_path), threads=1, log=lambda line: None)
+    config = ctx.config
+    params = matmul_params_per_token(config) + config.vocab_size * config.hidden_size  # layers + tied LM head
+    expected = {"fp32": 4 * params, "bf16": 2 * params, "f32": 4 * params, "f16": 2 * params,
+                "q8_0": params // 32 * 34}
+    assert params % 32 == 0  # every tiny-model row length is a multiple of 32, so all of q8_0 is blocks
+    for weights, count in expected.items():
+        assert weight_bytes_per_token(config, weights) == count
+    for weights in ("fp32", "bf16"):  # the loaded model's own tensors
+        model = ctx.minimind(weights)
+        linear = sum(m.weight.numel() * m.weight.element_size() for m in model.model.layers.modules()
+                     if isinstance(m, torch.nn.Linear))
+        embed = model.model.embed_tokens.weight
+        assert model.config.tie_word_embeddings
+        assert linear + embed.numel() * embed.element_size() == expected[weights]
+    for outtype in PEER_OUTTYPES:  # the bytes llama.cpp reads are the file's own matrices
+        assert gguf_matrix_bytes(ctx.gguf(outtype)) == expected[outtype]
+    _, rows = _table(text)
+    for r in rows:
+        if "-decode-" in r["row"] and not r["notes"].startswith("skipped"):
+            assert int(r["weight bytes / token"].replace(",", "")) == expected[r["weights"]]
+            floor = report.bandwidth / expected[r["weights"]]
+            assert r["bandwidth floor tok/s (share)"].startswith(f"{floor:,.1f} (")
+
+
+def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
+    assert [w.row_id for w in select_workloads(peer_workloads(), ["peers-*-llamacpp-q8_0"])] == [
+        "peers-decode-llamacpp-q8_0", "peers-prefill-512-llamacpp-q8_0"]
+    # --table all with patterns naming peer rows only: just those run, and the result is the peers table.
+    report = run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["peers-sft-*"]),
+                           log=lambda line: None)
+    assert [r.workload.row_id for r in report.rows] == ["peers-sft-512-padded", "peers-sft-512-packed"]
+    with pytest.raises(ValueError, match="match no row"):
+        run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["no-such-row"]))
+
+
+def test_rewriting_the_main_table_keeps_the_peers_section():
+    section = "## Peers\n\n| row |\n|---|\n| peers-x |\n"
+    assert splice_peers(MAIN_PART, section) == MAIN_PART + "\n" + section
+    assert splice_peers(MAIN_PART + "\n" + section, section.replace("peers-x", "peers-y")) == \
+        MAIN_PART + "\n" + section.replace("peers-x", "peers-y")
+    assert peers_section_of(MAIN_PART + "\n" + section) == section and peers_section_of(MAIN_PART) == ""
+
+
+def test_main_run_rewrites_its_part_and_leaves_the_peers_section(tmp_path, monkeypatch):
+    import minimind.benchmark
+
+    class Main:  # stands in for a measured main table
+        settings = BenchmarkSettings()
+
+        def markdown(self):
+            return "# new main table\n"
+
+        def table(self):
+            return "| new |"
+
+    output = tmp_path / "benchmarks.md"
+    section = "## Peers\n\n| row |\n|---|\n| peers-x |\n"
+    output.write_text(MAIN_PART + "\n" + section)
+    monkeypatch.setattr(minimind.benchmark, "run_benchmark", lambda settings, **kwargs: Main())
+    load_script("benchmark").main(["--output", str(output)])
+    assert output.read_text() == "# new main table\n\n" + section
+
+
+def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
+    report, _ = peers_run
+    for clients in (1, 8):
+        row = report.row(f"peers-serve-{clients}-clients")
+        if serving_missing():
+            assert row.skipped == serving_missing()
+            continue
+        asked = clients * 1 * 8  # quick: one request of 8 tokens per client
+        assert 0 < row.tokens <= asked and row.note.startswith(f"{row.tokens} of {asked} tokens asked for")
