@@ -1030,27 +1030,6 @@ def serving_missing():
     return ""
 
 
-@contextlib.contextmanager
-def _loopback_server(app):
-    """`app` on uvicorn at a free loopback port, in a thread; yields the base URL."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the benchmark's server did not start")
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-
-
 def _stream_completion(url, prompt, max_tokens):
     """One streaming greedy completion; the completion tokens the server's usage chunk reports."""
     import json
@@ -1081,7 +1060,7 @@ def measure_serve(w, ctx):
         row.skipped = missing
         return row
     from minimind.chat import load_model_and_tokenizer
-    from minimind.serving import Generator, ServerLimits, create_app
+    from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
 
     model, tokenizer = load_model_and_tokenizer(ctx.model_dir, "cpu")
     # The batching engine sizes its paged KV cache for max_context x sequences: the model's own 32k context
@@ -1092,7 +1071,7 @@ def measure_serve(w, ctx):
     def client(index):
         return sum(_stream_completion(url, f"{PEER_PROMPT} ({index}, {k})", new) for k in range(per_client))
 
-    with _loopback_server(create_app(generator)) as url:
+    with serve_in_thread(create_app(generator)) as url:
         _stream_completion(url, PEER_PROMPT, new)  # warm-up: the manager's first step, the first pages
         start = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:

@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
 
@@ -714,3 +714,27 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
     import uvicorn
 
     uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+@contextmanager
+def serve_in_thread(app: FastAPI, start_timeout: float = 60.0):
+    """`app` on uvicorn at a free loopback port in a background thread, for benchmarks and tests; yields the base
+    URL and stops the server on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="minimind-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        if thread.is_alive():
+            raise RuntimeError("the server did not stop")

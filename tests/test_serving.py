@@ -3,7 +3,6 @@
 separately loaded copy of the model (continuous batching leaves the served model's attention in paged mode
 under transformers 5.17)."""
 
-import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,35 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
 from conftest import load_script, model_dir
 
 from minimind.chat import SamplingParams, TextStream, chat_prompt_ids, load_model_and_tokenizer
-from minimind.serving import Generator, ServerLimits, create_app
+from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
 
 MODEL_ID = "tiny-minimind"
 MAX_CONTEXT = 128  # below the model's 256, to check the --max_context limit
 LIMITS = ServerLimits(max_context=MAX_CONTEXT, default_max_tokens=8, max_tokens=100, max_n=4, max_prompt_tokens=100,
                       max_concurrent_requests=16, request_timeout=60)
-
-
-@contextlib.contextmanager
-def running_server(app):
-    """`app` on a real uvicorn at a free loopback port; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "server did not stop"
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +47,7 @@ def app(generator):
 
 @pytest.fixture(scope="module")
 def base_url(app):
-    with running_server(app) as url:
+    with serve_in_thread(app) as url:
         yield url
 
 
@@ -337,7 +316,7 @@ def test_bad_limits_are_refused(generator, limits, message):
 
 
 def test_api_key_guards_every_route_and_the_openai_client_with_it_works(generator):
-    with running_server(create_app(generator, api_key="s3cret")) as url:
+    with serve_in_thread(create_app(generator, api_key="s3cret")) as url:
         for headers, message in (({}, "You didn't provide an API key"),
                                  ({"Authorization": "Bearer wrong"}, "Incorrect API key provided"),
                                  ({"Authorization": "Basic s3cret"}, "You didn't provide an API key")):

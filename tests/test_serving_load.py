@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from conftest import model_dir, torch_threads
-from test_serving import running_server
 
 from minimind.chat import load_model_and_tokenizer
-from minimind.serving import Generator, ServerLimits, create_app
+from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
 
 MODEL_ID = "tiny-minimind"
 CONTEXT = 4096  # room for an abandoned request that would otherwise run for minutes
@@ -64,7 +63,7 @@ def ask(url, index, max_tokens):
 def test_32_requests_from_8_clients_finish_while_an_abandoned_huge_request_is_cancelled(generator):
     steps = []
     hook = generator.model.register_forward_hook(lambda *args: steps.append(1))
-    with running_server(create_app(generator)) as url:
+    with serve_in_thread(create_app(generator)) as url:
         for _ in range(2):  # warm-up: the manager's first steps and the allocator's first pages
             ask(url, 1, 8)
         unloaded = min(ask(url, 1, 8)[0] for _ in range(3))
