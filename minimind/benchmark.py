@@ -711,10 +711,13 @@ class PeerRow:
 
 def peer_workloads():
     rows = [PeerWorkload(f"peers-decode-minimind-{w}", "decode", "minimind", w) for w in PEER_MINIMIND]
+    rows += [PeerWorkload(f"peers-decode-minimind-compiled-{w}", "decode", "minimind compiled", w)
+             for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-decode-llamacpp-{w}", "decode", "llama.cpp", w) for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-prefill-512-minimind-{w}", "prefill", "minimind", w) for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-prefill-512-llamacpp-{w}", "prefill", "llama.cpp", w) for w in PEER_OUTTYPES]
-    rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed")]
+    rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed",
+                                                                                "padded-compiled")]
     rows += [PeerWorkload(f"peers-serve-{n}-clients", "serve", "minimind server", "fp32") for n in (1, 8)]
     return rows
 
@@ -946,6 +949,8 @@ def measure_peer(w, ctx):
         row.note = f"n_threads {ctx.threads}"
     else:
         model = ctx.minimind(w.weights)
+        if w.engine == "minimind compiled":
+            return _measure_compiled_decode(w, ctx, row, model, repeats)
         if w.kind == "decode":
             row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights)
             ids = torch.tensor([ctx.prompt_ids])
@@ -963,6 +968,31 @@ def measure_peer(w, ctx):
     row.tokens = new if w.kind == "decode" else sizes["prefill"]
     if w.kind == "decode":
         row.same_tokens = (leading_equal(tokens, ctx.reference), len(ctx.reference))
+    ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
+    return row
+
+
+def _measure_compiled_decode(w, ctx, row, model, repeats):
+    """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses), its greedy
+    tokens compared with the plain `generate` of the same precision and with fp32's."""
+    from minimind.decode import CompiledDecoder
+
+    new, ids = ctx.sizes["new_tokens"], torch.tensor([ctx.prompt_ids])
+    decoder = CompiledDecoder(model)
+
+    def decode():
+        with torch.no_grad():
+            return decoder.generate(ids, max_new_tokens=new)[0, ids.shape[1]:].tolist()
+
+    tokens = decode()  # compiles
+    row.seconds = _timed(decode, repeats)
+    row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights)
+    row.tokens = new
+    row.same_tokens = (leading_equal(tokens, ctx.reference), len(ctx.reference))
+    plain = _minimind_greedy(model, ids, new)
+    row.note = (f"CompiledDecoder: static cache, torch.compile{' with freezing' if decoder.freezing else ''}, "
+                f"compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {w.weights} generate: "
+                f"{leading_equal(tokens, plain)} / {len(plain)}")
     ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
     return row
 
@@ -991,11 +1021,13 @@ def sft_batches(ctx, padded):
 def measure_sft(w, ctx):
     """A few AdamW steps from the same initial weights on the same examples; real tokens per second (pads not
     counted) and each step's loss, which padding-free packing must reproduce."""
-    padded = w.weights == "padded"
+    padded = w.weights.startswith("padded")
     batches = sft_batches(ctx, padded)
     model = MiniMindForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32,
                                                 attn_implementation=ctx.settings.attn_implementation).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    compiled = w.weights.endswith("-compiled")
+    forward = torch.compile(model) if compiled else model  # what the Trainer's --torch_compile does
     row = PeerRow(w, shape=f"{ctx.sizes['sft_batch']} x 512" if padded else
                   f"1 x {'/'.join(str(b['input_ids'].shape[1]) for b in batches)}")
     real = []
@@ -1003,7 +1035,7 @@ def measure_sft(w, ctx):
         inputs = {key: value for key, value in batch.items() if key in ("input_ids", "labels", "attention_mask",
                                                                           "position_ids")}
         start = time.perf_counter()
-        loss = model(**inputs).loss
+        loss = forward(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -1011,12 +1043,16 @@ def measure_sft(w, ctx):
         row.losses.append(loss.item())
         real.append(int(batch["attention_mask"].sum()) if padded else batch["input_ids"].numel())
     row.tokens = sum(real)
-    # The first step pays for allocation (activations, AdamW state): throughput counts the later steps.
+    # The first step pays for allocation (activations, AdamW state) and, compiled, for compilation: throughput
+    # counts the later steps.
     first = 1 if len(batches) > 1 else 0
+    row_first_seconds = row.seconds[0]
     row.seconds, row.timed_tokens = row.seconds[first:], sum(real[first:])
     total = sum(b["input_ids"].numel() for b in batches)
     row.note = (f"{row.tokens:,} real tokens of {total:,} ({100 * row.tokens / total:.0f}%), "
                 f"{len(batches)} steps, loss {' / '.join(f'{x:.4f}' for x in row.losses)}")
+    if compiled:
+        row.note += f"; torch.compile, first step (compilation) {row_first_seconds:.0f} s"
     ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} real tok/s")
     return row
 
@@ -1109,7 +1145,7 @@ class PeersReport:
         if row.skipped:
             return [w.row_id, w.engine, w.weights, row.shape, "-", "-", "-", "-", "skipped: " + row.skipped]
         note = row.note
-        if w.kind == "sft" and w.weights == "packed":
+        if w.kind == "sft" and w.weights != "padded":
             padded = next((r for r in self.rows if r.workload.row_id == "peers-sft-512-padded" and not r.skipped),
                           None)
             if padded is not None:
@@ -1131,7 +1167,19 @@ class PeersReport:
         command = self.settings.command or "minimind-benchmark --table peers"
         return (f"## Peers\n\nGenerated by `{command}` ({mode}).\n\n{details}\n"
                 f"- copy bandwidth measured in this run: {self.bandwidth / 1e9:.1f} GB/s\n\n"
-                f"{self.table()}\n\n{PEER_NOTES}")
+                f"{self.table()}\n\n{self.ratios()}{PEER_NOTES}")
+
+    def ratios(self):
+        """MiniMind's decode paths against llama.cpp at the matching precision (fp32 / f32, bf16 / f16 and bf16),
+        as bullet lines; only pairs measured in this run."""
+        measured = {r.workload.row_id: r.tokens_per_second for r in self.rows if not r.skipped and r.tokens}
+        lines = []
+        for ours in ("minimind", "minimind-compiled"):
+            for weights, theirs in (("fp32", "f32"), ("bf16", "f16"), ("bf16", "bf16")):
+                a, b = f"peers-decode-{ours}-{weights}", f"peers-decode-llamacpp-{theirs}"
+                if a in measured and b in measured:
+                    lines.append(f"- decode {a} / {b}: {measured[a] / measured[b]:.2f}x")
+        return "\n".join(lines) + "\n\n" if lines else ""
 
 
 PEER_NOTES = """\
@@ -1139,7 +1187,9 @@ PEER_NOTES = """\
   (llama-cpp-python) reads the project's own GGUF export of it (minimind.export.export_gguf, one file per
   outtype). Batch 1; llama.cpp's n_threads = torch's threads.
 - decode: greedy from a fixed prompt, eos ignored, the prompt's prefill included in the time; tok/s counts
-  the generated tokens. prefill-512: one forward over 512 tokens, tok/s counts them.
+  the generated tokens. minimind compiled = `minimind.decode.CompiledDecoder`, the chat command's default
+  path; its compilation happens before the timed runs, and its note gives the tokens it shares with plain
+  `generate` at the same precision. prefill-512: one forward over 512 tokens, tok/s counts them.
 - copy bandwidth: the best large torch tensor copy (bytes read + written per second) with the run's threads.
 - weight bytes / token: the bytes of every matrix a decode step reads (decoder projections and the tied LM
   head) in that row's precision, q8_0 as 34 bytes per 32 values. Bandwidth floor: the copy bandwidth divided
@@ -1148,7 +1198,8 @@ PEER_NOTES = """\
   may part ways early on a random-init model, whose logits lie close together.
 - sft: AdamW steps from the same weights on the same examples in the same order, max_seq_length 512;
   padded = every sample padded to 512 (upstream MiniMind), packed = `--padding_free`. tok/s counts real
-  (non-pad) tokens; the first step is left out of the timing.
+  (non-pad) tokens; the first step is left out of the timing. padded-compiled = padded with the model under
+  `torch.compile`, as the Trainer's `--torch_compile` runs it (the first step compiles forward and backward).
 - serve: the OpenAI-compatible server (continuous batching) on loopback, fp32, torch's threads; each client
   streams its greedy completions one after another; tok/s = completion tokens of all clients / wall time.
 """

@@ -159,8 +159,10 @@ class TextStream:
     string is held back until the next tokens decide.
     """
 
-    def __init__(self, model, tokenizer, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, model, tokenizer, prompt_ids: list[int], params: SamplingParams, decoder=None):
         self.model, self.tokenizer, self.prompt_ids, self.params = model, tokenizer, prompt_ids, params
+        # A `minimind.decode.CompiledDecoder` of `model` takes generate's place: same arguments, same ids out.
+        self._generate = (decoder or model).generate
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._hit_stop_string = False
@@ -174,7 +176,7 @@ class TextStream:
 
         def generate():
             try:
-                outcome["ids"] = self.model.generate(
+                outcome["ids"] = self._generate(
                     input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
                     stopping_criteria=self._stopping_criteria(cancel),
                     **self.params.generate_kwargs(self.tokenizer))
@@ -220,13 +222,15 @@ class TextStream:
 
 
 def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | None = None,
-              read_line: Callable[[str], str] = input, out: TextIO = sys.stdout, enable_thinking: bool = True) -> None:
+              read_line: Callable[[str], str] = input, out: TextIO = sys.stdout, enable_thinking: bool = True,
+              decoder=None) -> None:
     """Multi-turn chat on a plain terminal: `/reset` forgets the conversation; `/exit`, end of input (Ctrl-D) or
     Ctrl-C at the prompt quit; Ctrl-C during a reply stops that reply.
 
     A reply's reasoning (its `<think>` block) is shown apart from the answer: after "(thinking) ", dimmed on a
     terminal. `enable_thinking=False` asks the model to answer without reasoning (the template's empty think
-    block). `read_line` and `out` are injectable so tests can drive the loop without a terminal.
+    block). `decoder` (a `minimind.decode.CompiledDecoder`) replaces `model.generate`. `read_line` and `out` are
+    injectable so tests can drive the loop without a terminal.
     """
     history = _fresh_history(system_prompt)
     context = model.config.max_position_embeddings
@@ -257,7 +261,7 @@ def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | Non
         turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, context - len(prompt_ids)))
         printer, interrupted = _ReplyPrinter(out), False
         try:
-            for piece in TextStream(model, tokenizer, prompt_ids, turn_params):
+            for piece in TextStream(model, tokenizer, prompt_ids, turn_params, decoder=decoder):
                 printer.feed(piece)
         except KeyboardInterrupt:  # Ctrl-C during a reply stops it; the partial reply stays in the history
             interrupted = True

@@ -175,12 +175,20 @@ def chat(argv=None):
     parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
                         help="let the model reason in a <think> block, shown apart from the answer (default); "
                              "--no-enable_thinking puts an empty think block in the prompt so it answers directly")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="decode with the one-token step compiled against a static cache (default; the first "
+                             "reply waits 10-30 s for compilation on a CPU); --no-compile uses model.generate")
     args = parser.parse_args(argv)
     model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
+    decoder = None
+    if args.compile:
+        from minimind.decode import CompiledDecoder
+
+        decoder = CompiledDecoder(model)
     params = engine.SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     engine.chat_loop(model, tokenizer, params, system_prompt=args.system_prompt, read_line=input, out=sys.stdout,
-                     enable_thinking=args.enable_thinking)
+                     enable_thinking=args.enable_thinking, decoder=decoder)
 
 
 @command

@@ -71,7 +71,16 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
         equal, compared = (int(x) for x in r["greedy tokens = MiniMind fp32"].split(" / "))
         assert compared == 8 and 0 <= equal <= 8 and r["B x T (+new)"].endswith("(+8)")
     assert decode["peers-decode-minimind-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
+    # The compiled fp32 path gives generate's tokens; each compiled row says how many it shares with plain
+    # generate at its own precision and how long compilation took.
+    assert decode["peers-decode-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
+    assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith("greedy tokens = plain fp32 generate: 8 / 8")
+    bf16 = report.row("peers-decode-minimind-compiled-bf16")
+    assert "torch.compile with freezing, compiled in" in bf16.note and bf16.note.endswith(" / 8")
     if not llama_cpp_missing():
+        measured = {r.workload.row_id: r.tokens_per_second for r in report.rows if not r.skipped}
+        ratio = (measured["peers-decode-minimind-compiled-fp32"] / measured["peers-decode-llamacpp-f32"])
+        assert f"- decode peers-decode-minimind-compiled-fp32 / peers-decode-llamacpp-f32: {ratio:.2f}x" in text
         # Same weights in the same precision: llama.cpp's float32 graph picks the same greedy tokens.
         assert decode["peers-decode-llamacpp-f32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
         assert report.row("peers-decode-llamacpp-f32").same_tokens == (8, 8)
@@ -91,6 +100,12 @@ def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losse
     assert padded.tokens == packed.tokens == real
     assert f"{real:,} real tokens of {4 * 512:,}" in padded.note
     assert f"{real:,} real tokens of {real:,} (100%)" in packed.note
+    # Compiled training (the Trainer's --torch_compile) on the same padded batches: the same losses to float
+    # rounding, its compile step named and left out of the timing.
+    compiled = report.row("peers-sft-512-padded-compiled")
+    assert compiled.tokens == real and len(compiled.seconds) == 1
+    assert max(abs(a - b) for a, b in zip(padded.losses, compiled.losses)) < 1e-4
+    assert "torch.compile, first step (compilation)" in compiled.note
 
 
 def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
@@ -126,7 +141,8 @@ def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
     # --table all with patterns naming peer rows only: just those run, and the result is the peers table.
     report = run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["peers-sft-*"]),
                            log=lambda line: None)
-    assert [r.workload.row_id for r in report.rows] == ["peers-sft-512-padded", "peers-sft-512-packed"]
+    assert [r.workload.row_id for r in report.rows] == ["peers-sft-512-padded", "peers-sft-512-packed",
+                                                        "peers-sft-512-padded-compiled"]
     with pytest.raises(ValueError, match="match no row"):
         run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["no-such-row"]))
 

@@ -84,9 +84,9 @@ def test_chat_loop_forgets_old_turns_to_fit_the_context_and_ends_on_eof(model_an
 
 
 def record_prompts(init, prompts):
-    def recording_init(self, model, tokenizer, prompt_ids, params):
+    def recording_init(self, model, tokenizer, prompt_ids, params, **kwargs):
         prompts.append(prompt_ids)
-        init(self, model, tokenizer, prompt_ids, params)
+        init(self, model, tokenizer, prompt_ids, params, **kwargs)
     return recording_init
 
 
@@ -172,7 +172,7 @@ def scripted_stream(replies, prompts):
     remaining = list(replies)
 
     class ScriptedStream:
-        def __init__(self, model, tokenizer, prompt_ids, params):
+        def __init__(self, model, tokenizer, prompt_ids, params, decoder=None):
             prompts.append(tokenizer.decode(prompt_ids, skip_special_tokens=False))
 
         def __iter__(self):

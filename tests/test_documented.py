@@ -11,6 +11,7 @@ import torch
 from conftest import TOKENIZER_DIR, load_script, model_dir, tiny_config, tiny_model
 from minimind import chat as engine
 from minimind import cli
+from minimind.decode import CompiledDecoder
 from modeling_minimind import MiniMindForCausalLM
 
 # ------------------------------------------------------------------------------------------------------
@@ -30,14 +31,13 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True):
     """Run `minimind-chat argv` with `lines` typed at the prompt, then end of input (what a pipe gives);
     return the printed text and, per reply, the model, its generate kwargs and the generated ids.
     Without `generate_for_real` each reply is just the end-of-turn token, so default lengths cost nothing."""
-    calls = []
+    calls, paths = [], []
     real_load = engine.load_model_and_tokenizer
+    real_decoder_generate = CompiledDecoder.generate
 
-    def load_and_spy(*args, **kwargs):
-        model, tokenizer = real_load(*args, **kwargs)
-        real_generate = model.generate
-
+    def spy(model, tokenizer, real_generate, path):
         def generate(input_ids, **gen_kwargs):
+            paths.append(path)
             if generate_for_real:
                 ids = real_generate(input_ids, **gen_kwargs)
             else:
@@ -45,7 +45,15 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True):
                 ids = torch.cat([input_ids, torch.tensor([[tokenizer.eos_token_id]])], dim=1)
             calls.append((model, input_ids, gen_kwargs, ids))
             return ids
-        model.generate = generate
+        return generate
+
+    def load_and_spy(*args, **kwargs):
+        model, tokenizer = real_load(*args, **kwargs)
+        model.generate = spy(model, tokenizer, model.generate, "generate")  # reached with --no-compile
+        # reached by default: the compiled decoder takes generate's arguments
+        monkeypatch.setattr(CompiledDecoder, "generate", lambda self, input_ids, **gen_kwargs: spy(
+            model, tokenizer, lambda ids, **kw: real_decoder_generate(self, ids, **kw), "compiled")(input_ids,
+                                                                                                   **gen_kwargs))
         return model, tokenizer
 
     typed = iter(lines)
@@ -59,6 +67,7 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True):
     monkeypatch.setattr(engine, "load_model_and_tokenizer", load_and_spy)
     monkeypatch.setattr("builtins.input", read_line)
     cli.chat(argv)
+    _run_chat.paths = paths
     return capsys.readouterr().out, calls
 
 
@@ -82,6 +91,17 @@ def test_chat_defaults_sample_with_the_documented_settings(chat_dir, monkeypatch
     assert _special_ids(gen_kwargs) == (0, 2)
     assert model.dtype == torch.float32 and model.device.type == "cpu" and not model.training
     assert out.startswith("MiniMind chat. /reset starts a new conversation, /exit (or Ctrl-D) quits.\n")
+    assert _run_chat.paths == ["compiled"]  # the compiled decoder by default
+
+
+def test_chat_no_compile_uses_generate_with_the_same_arguments(chat_dir, monkeypatch, capsys):
+    argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4"]
+    _, default = _run_chat(monkeypatch, capsys, argv, ["Hello"])
+    assert _run_chat.paths == ["compiled"]
+    _, plain = _run_chat(monkeypatch, capsys, [*argv, "--no-compile"], ["Hello"])
+    assert _run_chat.paths == ["generate"]
+    assert default[0][2].keys() == plain[0][2].keys() and _sampling(default[0][2]) == _sampling(plain[0][2])
+    assert torch.equal(default[0][3], plain[0][3])  # the same greedy reply
 
 
 def test_chat_sampling_flags_reach_generate(chat_dir, monkeypatch, capsys):

@@ -397,3 +397,18 @@ def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data,
     resumed_losses = [(entry["step"], entry["loss"]) for entry in resumed.state.log_history if "loss" in entry]
     assert [step for step, _ in full_losses] == [1, 2, 3, 4, 5, 6]
     assert resumed_losses == full_losses, (resumed_losses, full_losses)
+
+
+@pytest.mark.slow
+def test_torch_compile_flag_trains_the_same_losses_as_eager(data, tmp_path):
+    """The Trainer's own `--torch_compile` on a dense MiniMind: inductor compiles forward and backward on CPU and
+    the per-step losses follow eager's (fused elementwise kernels round differently, so not bit for bit)."""
+    common = ["--data_path", data["pretrain"], "--max_steps", "4", "--learning_rate", "3e-3", "--eval_fraction", "0",
+              *TINY_MODEL, *FAST]
+    eager, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "eager")])
+    compiled, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "compiled"),
+                                                "--torch_compile"])
+    assert compiled.args.torch_compile and not eager.args.torch_compile
+    assert type(compiled.model_wrapped).__name__ == "OptimizedModule"  # the step really ran compiled
+    assert logged_losses(compiled) == pytest.approx(logged_losses(eager), abs=1e-4)
+    assert len(logged_losses(compiled)) == 4

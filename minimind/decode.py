@@ -1,0 +1,152 @@
+"""Fast batch-1 decoding: the model's one-token step compiled once against a static KV cache.
+
+The recipe is gpt-fast's. A decode step of a small model is one-row matrix products over every weight plus a
+few hundred small ops; eager PyTorch pays Python and dispatch overhead for each op, and `generate`'s compiled
+path adds its own per-step bookkeeping on top. Here the prompt runs eagerly (its length varies), then every
+step is one call of a graph inductor compiled for fixed shapes: input [1, 1], position [1], cache
+[1, kv_heads, L, head_dim] with L rounded up to `CACHE_BUCKET` so that replies of similar length share it.
+
+For 16-bit weights the graph is compiled with inductor's `freezing`: the weights become constants that it
+prepacks for oneDNN's kernels, which is where bf16 decode on a CPU gains most. fp32 skips it: MKL's plain
+kernels were as fast or faster in the benchmark (`minimind-benchmark --table peers`). Frozen weights are a
+snapshot, so a decoder must be rebuilt after the model is trained further.
+
+`CompiledDecoder.generate` takes the subset of `model.generate`'s arguments the chat front ends use (greedy or
+temperature / top-k / top-p sampling through transformers' own logits warpers, eos, a streamer, stopping
+criteria) and returns what `generate` returns: prompt and new ids, one row. Greedy fp32 output equals
+`generate`'s token for token (tests/test_decode.py); anything it does not cover is refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from transformers import (LogitsProcessorList, StaticCache, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
+
+CACHE_BUCKET = 256  # cache lengths are multiples of this: one compiled graph serves every reply in a bucket
+
+
+def cache_length(needed: int) -> int:
+    return -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+
+
+class CompiledDecoder:
+    """`generate` for one sequence at a time, with the decode step compiled (`compile=False`: the same loop
+    eagerly, which tests use to check the loop against `model.generate` without paying for compilation)."""
+
+    def __init__(self, model, compile: bool = True, freezing: bool | None = None):
+        if model.training:
+            raise ValueError("CompiledDecoder needs a model in eval mode: call model.eval() first")
+        self.model = model
+        self.dtype = next(model.parameters()).dtype
+        self.freezing = self.dtype != torch.float32 if freezing is None else freezing
+        self.compiled = compile
+        self.compile_seconds = 0.0  # time spent in the first call of each new cache length (compilation)
+        self._step = torch.compile(self._forward_one, fullgraph=True, dynamic=False) if compile else self._forward_one
+        self._cache: StaticCache | None = None
+        self._cache_length = 0
+        self._compiled_for: StaticCache | None = None
+
+    def _forward_one(self, token, position, cache):  # token [1, 1], position [1]
+        out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
+        return out.logits[:, -1]  # [1, V]
+
+    def _fresh_cache(self, needed: int) -> StaticCache:
+        length = cache_length(needed)
+        if self._cache is not None and self._cache_length == length:
+            self._cache.reset()
+            return self._cache
+        config = self.model.config
+        cache = StaticCache(config=config, max_cache_len=length)
+        cache.early_initialization(batch_size=1, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                   dtype=self.dtype, device=self.model.device)
+        # StaticCache marks its tensors as static addresses (for CUDA graphs). Freezing would then fold them into
+        # the graph as constants, so in-place cache updates would write to a copy; as plain inputs they work.
+        for layer in cache.layers:
+            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                tensor.__dict__.pop("_dynamo_static_input_type", None)
+        self._cache, self._cache_length = cache, length
+        return cache
+
+    @staticmethod
+    def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList | None:
+        if not do_sample:
+            return None
+        warpers = LogitsProcessorList()
+        if temperature is not None and temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p))
+        return warpers
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None, streamer=None,
+                 stopping_criteria: StoppingCriteriaList | None = None):
+        del pad_token_id  # one row is never padded
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"CompiledDecoder decodes one sequence: input_ids must be [1, T], got "
+                             f"{list(input_ids.shape)}; use model.generate for batches")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("CompiledDecoder takes an unpadded prompt: attention_mask must be all ones; "
+                             "use model.generate for padded batches")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_length = input_ids.shape[1]
+        cache = self._fresh_cache(prompt_length + max_new_tokens)
+        warpers = self._warpers(do_sample, temperature, top_k, top_p)
+        stopping_criteria = stopping_criteria or StoppingCriteriaList()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [1, V]
+        ids = input_ids
+        for step in range(max_new_tokens):
+            token = self._choose(ids, logits, warpers)  # [1, 1]
+            ids = torch.cat([ids, token], dim=1)
+            if streamer is not None:
+                streamer.put(token[0].cpu())
+            done = (eos_token_id is not None and int(token) == eos_token_id) or step + 1 == max_new_tokens
+            if done or bool(stopping_criteria(ids, logits).any()):
+                break
+            position = torch.tensor([prompt_length + step], device=ids.device)
+            logits = self._next_logits(token, position, cache)
+        if streamer is not None:
+            streamer.end()
+        return ids
+
+    def _next_logits(self, token, position, cache):
+        if not self.compiled:
+            return self._forward_one(token, position, cache)
+        compiling = cache is not self._compiled_for  # a new cache length is a new graph
+        started = time.perf_counter()
+        try:
+            # Set around the call, not passed as compile options: inductor also reads `freezing` outside the
+            # options' scope, and with options alone the weights were not prepacked (81 against 107 tok/s, bf16).
+            with torch._inductor.config.patch(freezing=self.freezing):
+                logits = self._step(token, position, cache)
+        except Exception as error:  # compilation runs on fake tensors: the cache is untouched
+            if not compiling:
+                raise
+            warnings.warn(f"torch.compile could not build the decode step ({type(error).__name__}: {error}); "
+                          "decoding without compilation from here on (minimind-chat --no-compile skips the try)")
+            self.compiled = False
+            return self._forward_one(token, position, cache)
+        if compiling:
+            self.compile_seconds += time.perf_counter() - started
+            self._compiled_for = cache
+        return logits
+
+    @staticmethod
+    def _choose(ids, logits, warpers):
+        logits = logits.float()
+        if warpers is None:
+            return logits.argmax(dim=-1, keepdim=True)
+        scores = warpers(ids, logits)
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)

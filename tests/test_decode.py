@@ -1,0 +1,151 @@
+"""`minimind.decode.CompiledDecoder` against `model.generate` on tiny models: the same tokens, greedy and sampled,
+with the same stopping rules; compiled (fp32 and bf16 with freezing) as well as eager."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+from minimind.decode import CACHE_BUCKET, CompiledDecoder, cache_length
+
+PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
+NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
+
+
+def reference(model, new, **kwargs):
+    with torch.no_grad():
+        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=new,
+                              pad_token_id=0, **{"eos_token_id": NO_EOS, **kwargs})
+
+
+def greedy(**kwargs):
+    return dict(do_sample=False, temperature=None, top_p=None, top_k=None, **{"eos_token_id": NO_EOS, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(std=0.3)
+
+
+def test_cache_lengths_round_up_to_the_bucket():
+    assert [cache_length(n) for n in (1, CACHE_BUCKET, CACHE_BUCKET + 1)] == [CACHE_BUCKET, CACHE_BUCKET,
+                                                                                2 * CACHE_BUCKET]
+
+
+def test_eager_loop_gives_generates_greedy_tokens(model):
+    out = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=40, **greedy())
+    assert out.shape == (1, PROMPT.shape[1] + 40)
+    assert torch.equal(out, reference(model, 40, **greedy()))
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_k=None, top_p=0.9),
+                                      dict(temperature=1.3, top_k=5, top_p=None),
+                                      dict(temperature=1.0, top_k=None, top_p=1.0)])
+def test_eager_loop_samples_as_generate_does(model, sampling):
+    decoder = CompiledDecoder(model, compile=False)
+    torch.manual_seed(123)
+    ours = decoder.generate(PROMPT, max_new_tokens=30, do_sample=True, eos_token_id=NO_EOS, **sampling)
+    torch.manual_seed(123)
+    theirs = reference(model, 30, do_sample=True, **sampling)
+    assert torch.equal(ours, theirs)
+    torch.manual_seed(124)
+    assert not torch.equal(decoder.generate(PROMPT, max_new_tokens=30, do_sample=True, eos_token_id=NO_EOS, **sampling), ours)
+
+
+def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
+    decoder = CompiledDecoder(model, compile=False)
+    plain = decoder.generate(PROMPT, max_new_tokens=20, **greedy())
+    eos = int(plain[0, PROMPT.shape[1] + 5])
+    first = PROMPT.shape[1] + plain[0, PROMPT.shape[1]:].tolist().index(eos)
+    out = decoder.generate(PROMPT, max_new_tokens=20, **greedy(eos_token_id=eos))
+    assert torch.equal(out, plain[:, :first + 1])
+    assert torch.equal(out, reference(model, 20, **greedy(eos_token_id=eos)))
+
+    class AfterThree(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([input_ids.shape[1] >= PROMPT.shape[1] + 3])
+
+    out = decoder.generate(PROMPT, max_new_tokens=20, stopping_criteria=StoppingCriteriaList([AfterThree()]),
+                           **greedy())
+    assert torch.equal(out, plain[:, :PROMPT.shape[1] + 3])
+
+
+def test_streamer_receives_the_prompt_then_each_token(model):
+    from conftest import TOKENIZER_DIR
+
+    from minimind.tokenizer import load_tokenizer
+
+    big = tiny_model(std=0.3, vocab_size=6400)
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = CompiledDecoder(big, compile=False).generate(PROMPT, max_new_tokens=12, streamer=streamer, **greedy())
+    assert "".join(streamer) == tokenizer.decode(out[0, PROMPT.shape[1]:], skip_special_tokens=True)
+
+
+def test_refuses_what_it_does_not_cover(model):
+    decoder = CompiledDecoder(model, compile=False)
+    with pytest.raises(ValueError, match=r"input_ids must be \[1, T\], got \[2, 7\]; use model.generate"):
+        decoder.generate(PROMPT.repeat(2, 1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="attention_mask must be all ones"):
+        mask = torch.ones_like(PROMPT)
+        mask[0, 0] = 0
+        decoder.generate(PROMPT, mask, max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        decoder.generate(PROMPT, max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"needs a model in eval mode: call model.eval\(\) first"):
+        CompiledDecoder(tiny_model().train())
+
+
+def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(model):
+    """A machine without a C++ compiler fails inside inductor at the first decode step; the reply goes on."""
+    decoder = CompiledDecoder(model)
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    decoder._step = no_compiler
+    with pytest.warns(UserWarning, match=r"torch.compile could not build the decode step \(RuntimeError: "
+                                         r"InvalidCxxCompiler: No working C\+\+ compiler found\); decoding "
+                                         r"without compilation from here on"):
+        out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
+    assert decoder.compiled is False
+    assert torch.equal(out, CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=12, **greedy()))
+
+
+@pytest.mark.slow
+def test_compiled_fp32_equals_generate_and_reuses_its_graph(model):
+    decoder = CompiledDecoder(model)
+    assert decoder.freezing is False
+    out = decoder.generate(PROMPT, max_new_tokens=40, **greedy())
+    assert torch.equal(out, reference(model, 40, **greedy()))
+    assert decoder.compile_seconds > 0
+    first_compile = decoder.compile_seconds
+    # A different prompt in the same cache bucket reuses the compiled step.
+    other = torch.tensor([[9, 9, 1, 2]])
+    ours = decoder.generate(other, max_new_tokens=25, **greedy())
+    with torch.no_grad():
+        theirs = model.generate(other, attention_mask=torch.ones_like(other), max_new_tokens=25, pad_token_id=0, **greedy())
+    assert torch.equal(ours, theirs)
+    assert decoder.compile_seconds == first_compile
+
+
+def greedy_gap(model, ids, prompt_length):
+    """How far each generated token's logit falls below the best one, by the model's own eager full forward:
+    0 everywhere for exact greedy; small where 16-bit kernels round a near tie the other way."""
+    with torch.no_grad():
+        logits = model(ids).logits[0, prompt_length - 1:-1].float()  # [new, V]
+    chosen = logits.gather(-1, ids[0, prompt_length:, None])[:, 0]
+    return (logits.max(-1).values - chosen).max().item()
+
+
+@pytest.mark.slow
+def test_compiled_bf16_with_frozen_weights_decodes_greedily():
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    decoder = CompiledDecoder(model)
+    assert decoder.freezing is True
+    eager = CompiledDecoder(model, compile=False)
+    for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
+        out = decoder.generate(prompt, max_new_tokens=40, **greedy())
+        plain = eager.generate(prompt, max_new_tokens=40, **greedy())
+        assert torch.equal(out[:, :prompt.shape[1] + 20], plain[:, :prompt.shape[1] + 20])
+        assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two bf16 steps at these logits' size
