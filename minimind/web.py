@@ -13,6 +13,7 @@ import threading
 from dataclasses import replace
 
 from minimind.chat import SamplingParams, TextStream, chat_prompt_ids, load_model_and_tokenizer, split_reasoning
+from minimind.decode import CompiledDecoder
 
 THINKING_TITLE = "Thinking"
 
@@ -64,30 +65,33 @@ class LoadedModel:
     """The model the page chats with: the one in the directory named on the page, kept until another is named.
     One at a time, so switching models does not double the memory in use."""
 
-    def __init__(self, device: str | None = None, dtype: str = "float32"):
-        self.device, self.dtype = device, dtype
+    def __init__(self, device: str | None = None, dtype: str = "float32", compile: bool = False):
+        self.device, self.dtype, self.compile = device, dtype, compile
         self.path = None
-        self.model = self.tokenizer = None
+        self.model = self.tokenizer = self.decoder = None
         self._lock = threading.Lock()  # a load and a reply may arrive together from two browser events
 
     def get(self, path: str):
         path = path.strip()
         with self._lock:
             if path != self.path:
-                self.model = self.tokenizer = self.path = None  # the old model is freed before the new one loads
+                # the old model is freed before the new one loads
+                self.model = self.tokenizer = self.decoder = self.path = None
                 self.model, self.tokenizer = load_model_and_tokenizer(path, self.device, self.dtype)
+                self.decoder = CompiledDecoder(self.model) if self.compile else None
                 self.path = path
-            return self.model, self.tokenizer
+            return self.model, self.tokenizer, self.decoder
 
     def describe(self) -> str:
         parameters = sum(p.numel() for p in self.model.parameters())
         return f"Loaded `{self.path}`: {parameters:,} parameters, {self.model.dtype}, on {self.model.device}."
 
 
-def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams, enable_thinking: bool = True):
+def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams, enable_thinking: bool = True,
+                 decoder=None):
     """The page's view of the reply to `messages` after each streamed piece: lists of chat messages, the last
     one for the finished reply (its thinking folded). `enable_thinking=False` puts the template's empty think
-    block in the prompt, so the model answers directly."""
+    block in the prompt, so the model answers directly; `decoder` (a `CompiledDecoder`) replaces generate."""
     template_kwargs = {} if enable_thinking else {"enable_thinking": False}
     prompt_ids = chat_prompt_ids(tokenizer, messages, **template_kwargs)
     room = model.config.max_position_embeddings - len(prompt_ids)
@@ -96,7 +100,7 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
                          f"{model.config.max_position_embeddings}-token context: clear the chat to start anew")
     params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
     text = ""
-    for piece in TextStream(model, tokenizer, prompt_ids, params):
+    for piece in TextStream(model, tokenizer, prompt_ids, params, decoder=decoder):
         text += piece
         yield reply_messages(text, finished=False)
     yield reply_messages(text, finished=True)
@@ -104,16 +108,17 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
 
 def build_app(model_name_or_path: str, *, device: str | None = None, dtype: str = "float32",
               defaults: SamplingParams | None = None, system_prompt: str | None = None,
-              enable_thinking: bool = True):
+              enable_thinking: bool = True, compile: bool = False):
     """The chat page as a `gr.Blocks`, with the model in `model_name_or_path` loaded (so a bad path fails here,
-    not on the first message)."""
+    not on the first message). `compile`: replies through `minimind.decode.CompiledDecoder` (the command's
+    default), which Gradio's one-reply-at-a-time queue keeps to one sequence."""
     try:
         import gradio as gr
     except ImportError as error:
         raise ImportError('the web chat needs Gradio: pip install "minimind[web]" (or pip install gradio)') from error
 
     defaults = defaults or SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=512)
-    loaded = LoadedModel(device, dtype)
+    loaded = LoadedModel(device, dtype, compile)
     loaded.get(model_name_or_path)
 
     def load(path):
@@ -125,14 +130,14 @@ def build_app(model_name_or_path: str, *, device: str | None = None, dtype: str 
 
     def respond(message, history, path, system, thinking, temperature, top_p, max_new_tokens):
         try:
-            model, tokenizer = loaded.get(path)
+            model, tokenizer, decoder = loaded.get(path)
         except Exception as error:
             raise gr.Error(f"Could not load {path.strip()!r}: {error}") from error
         params = SamplingParams(max_new_tokens=int(max_new_tokens), do_sample=temperature > 0,
                                 temperature=temperature, top_p=top_p, top_k=defaults.top_k)
         try:
             yield from stream_reply(model, tokenizer, conversation(history, message, system), params,
-                                    enable_thinking=thinking)
+                                    enable_thinking=thinking, decoder=decoder)
         except ValueError as error:
             raise gr.Error(str(error)) from error
 

@@ -238,7 +238,7 @@ def send(page, message, replies_before):
         """n => document.querySelectorAll('[data-testid=user]').length === n + 1
                && document.querySelector('button[aria-label=Retry]') !== null
                && document.querySelector('[data-testid=stop-button]') === null""",
-        arg=replies_before, timeout=30_000)
+        arg=replies_before, timeout=90_000)  # the first reply waits for the decode step to compile
 
 
 def bot_texts(page):
