@@ -949,13 +949,17 @@ def measure_peer(w, ctx):
         row.note = f"n_threads {ctx.threads}"
     else:
         model = ctx.minimind(w.weights)
-        if w.engine == "minimind compiled":
-            return _measure_compiled_decode(w, ctx, row, model, repeats)
         if w.kind == "decode":
             row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights)
             ids = torch.tensor([ctx.prompt_ids])
-            tokens = _minimind_greedy(model, ids, new)
-            row.seconds = _timed(lambda: _minimind_greedy(model, ids, new), repeats)
+            if w.engine == "minimind compiled":
+                decode, describe = _compiled_decode(model, ids, new, w.weights)
+            else:
+                decode = lambda: _minimind_greedy(model, ids, new)  # noqa: E731
+                describe = lambda tokens: "generate, dynamic cache"  # noqa: E731
+            tokens = decode()  # the compiled path compiles here
+            row.seconds = _timed(decode, repeats)
+            row.note = describe(tokens)
         else:
             ids = torch.tensor([ctx.prefill_ids])
 
@@ -964,7 +968,7 @@ def measure_peer(w, ctx):
                 model(input_ids=ids, use_cache=True, logits_to_keep=1)
 
             row.seconds = _timed(prefill, repeats)
-        row.note = "generate, dynamic cache" if w.kind == "decode" else "forward, logits of the last position"
+            row.note = "forward, logits of the last position"
     row.tokens = new if w.kind == "decode" else sizes["prefill"]
     if w.kind == "decode":
         row.same_tokens = (leading_equal(tokens, ctx.reference), len(ctx.reference))
@@ -972,29 +976,25 @@ def measure_peer(w, ctx):
     return row
 
 
-def _measure_compiled_decode(w, ctx, row, model, repeats):
-    """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses), its greedy
-    tokens compared with the plain `generate` of the same precision and with fp32's."""
+def _compiled_decode(model, ids, new, weights):
+    """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses): the greedy
+    decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
+    `generate` at the same precision."""
     from minimind.decode import CompiledDecoder
 
-    new, ids = ctx.sizes["new_tokens"], torch.tensor([ctx.prompt_ids])
     decoder = CompiledDecoder(model)
 
+    @torch.no_grad()
     def decode():
-        with torch.no_grad():
-            return decoder.generate(ids, max_new_tokens=new)[0, ids.shape[1]:].tolist()
+        return decoder.generate(ids, max_new_tokens=new)[0, ids.shape[1]:].tolist()
 
-    tokens = decode()  # compiles
-    row.seconds = _timed(decode, repeats)
-    row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights)
-    row.tokens = new
-    row.same_tokens = (leading_equal(tokens, ctx.reference), len(ctx.reference))
-    plain = _minimind_greedy(model, ids, new)
-    row.note = (f"CompiledDecoder: static cache, torch.compile{' with freezing' if decoder.freezing else ''}, "
-                f"compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {w.weights} generate: "
+    def describe(tokens):
+        plain = _minimind_greedy(model, ids, new)
+        return (f"CompiledDecoder: static cache, torch.compile{' with freezing' if decoder.freezing else ''}, "
+                f"compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
                 f"{leading_equal(tokens, plain)} / {len(plain)}")
-    ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
-    return row
+
+    return decode, describe
 
 
 def sft_batches(ctx, padded):

@@ -48,7 +48,6 @@ class CompiledDecoder:
         self.compile_seconds = 0.0  # time spent in the first call of each new cache length (compilation)
         self._step = torch.compile(self._forward_one, fullgraph=True, dynamic=False) if compile else self._forward_one
         self._cache: StaticCache | None = None
-        self._cache_length = 0
         self._compiled_for: StaticCache | None = None
 
     def _forward_one(self, token, position, cache):  # token [1, 1], position [1]
@@ -57,7 +56,7 @@ class CompiledDecoder:
 
     def _fresh_cache(self, needed: int) -> StaticCache:
         length = cache_length(needed)
-        if self._cache is not None and self._cache_length == length:
+        if self._cache is not None and self._cache.layers[0].max_cache_len == length:
             self._cache.reset()
             return self._cache
         config = self.model.config
@@ -69,7 +68,7 @@ class CompiledDecoder:
         for layer in cache.layers:
             for tensor in (layer.keys, layer.values, layer.cumulative_length):
                 tensor.__dict__.pop("_dynamo_static_input_type", None)
-        self._cache, self._cache_length = cache, length
+        self._cache = cache
         return cache
 
     @staticmethod
