@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import datetime
 import fnmatch
+import itertools
 import os
 import platform
 import statistics
@@ -675,6 +676,7 @@ def _run(settings, device, log, on_row):
 
 PEER_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # llama.cpp rows, one GGUF export each
 PEER_MINIMIND = ("fp32", "bf16")
+PEER_BATCH = 8  # the batched decode rows: this many sequences, decoded together
 PEER_PROMPT = "Once upon a time, a small language model lived in a quiet town. Every morning it"
 Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34  # 32 int8 values and one float16 scale
 BYTES_PER_ELEMENT = {"fp32": 4, "f32": 4, "bf16": 2, "f16": 2}
@@ -687,6 +689,7 @@ class PeerWorkload:
     kind: str  # "decode" | "prefill" | "sft" | "serve"
     engine: str  # "minimind" | "llama.cpp" | "minimind server"
     weights: str  # minimind: fp32 | bf16; llama.cpp: a GGUF outtype; sft: "padded" | "packed"
+    batch: int = 1  # decode: sequences decoded together
 
 
 @dataclass
@@ -714,6 +717,12 @@ def peer_workloads():
     rows += [PeerWorkload(f"peers-decode-minimind-compiled-{w}", "decode", "minimind compiled", w)
              for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-decode-llamacpp-{w}", "decode", "llama.cpp", w) for w in PEER_OUTTYPES]
+    rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-{w}", "decode", "minimind", w, PEER_BATCH)
+             for w in PEER_MINIMIND]
+    rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-compiled-{w}", "decode", "minimind compiled", w,
+                          PEER_BATCH) for w in PEER_MINIMIND]
+    rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-llamacpp-{w}", "decode", "llama.cpp", w, PEER_BATCH)
+             for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-prefill-512-minimind-{w}", "prefill", "minimind", w) for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-prefill-512-llamacpp-{w}", "prefill", "llama.cpp", w) for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed",
@@ -823,6 +832,7 @@ class _LlamaCpp:
         self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
                                      n_threads=threads, n_threads_batch=threads, verbose=False)
         self.vocab = self.llama.n_vocab()
+        self._batch_context = self._batch = None
 
     def _next_token(self):
         import numpy
@@ -840,11 +850,51 @@ class _LlamaCpp:
                 self.llama.eval([out[-1]])
         return out
 
+    def greedy_batch(self, prompts, new_tokens):
+        """Greedy decoding of several sequences together: each step is one llama_decode over one new token of
+        every sequence (llama.cpp's batched decoding, as its llama-batched example and server do)."""
+        import llama_cpp
+        import numpy
+
+        if self._batch_context is None:
+            params = llama_cpp.llama_context_params.from_buffer_copy(self.llama.context_params)
+            params.n_seq_max, params.kv_unified = len(prompts), True
+            params.n_ctx = len(prompts) * self.llama.n_ctx()
+            params.n_batch = params.n_ubatch = max(params.n_batch, sum(map(len, prompts)))  # all prompts at once
+            self._batch_context = llama_cpp.llama_init_from_model(self.llama._model.model, params)
+            self._batch = llama_cpp.llama_batch_init(sum(map(len, prompts)), 0, len(prompts))
+        context, batch = self._batch_context, self._batch
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context), True)
+
+        def decode(entries):  # (sequence, position, token, wants logits)
+            batch.n_tokens = len(entries)
+            for i, (sequence, position, token, logits) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, logits
+                batch.seq_id[i][0] = sequence
+            if llama_cpp.llama_decode(context, batch) != 0:
+                raise RuntimeError("llama_decode failed on the batched decode")
+            return [int(numpy.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, i),
+                                                 shape=(self.vocab,)).argmax())
+                    for i, entry in enumerate(entries) if entry[3]]
+
+        next_tokens = decode([(s, p, t, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)])
+        out = [[token] for token in next_tokens]
+        for step in range(1, new_tokens):
+            next_tokens = decode([(s, len(prompts[s]) + step - 1, seq[-1], True) for s, seq in enumerate(out)])
+            for seq, token in zip(out, next_tokens):
+                seq.append(token)
+        return out
+
     def prefill(self, ids):
         self.llama.reset()
         self.llama.eval(ids)
 
     def close(self):
+        import llama_cpp
+
+        if self._batch_context is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            llama_cpp.llama_free(self._batch_context)
         self.llama.close()
 
 
@@ -859,10 +909,11 @@ def _timed(fn, repeats):
 
 
 def _minimind_greedy(model, ids, new_tokens):
+    """The new tokens of each row of `ids` ([B, T], unpadded), greedy with eos ignored."""
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, disable_compile=True)
-    return out[0, ids.shape[1]:].tolist()
+    return out[:, ids.shape[1]:].tolist()
 
 
 class PeerContext:
@@ -891,7 +942,10 @@ class PeerContext:
         generator = torch.Generator().manual_seed(settings.seed)
         self.prefill_ids = torch.randint(3, self.config.vocab_size, (1, self.sizes["prefill"]),
                                          generator=generator)[0].tolist()
-        self._models, self._ggufs, self._reference = {}, {}, None
+        # The batched rows' prompts: as long as the peer prompt, so that no row is padded.
+        self.batch_prompts = torch.randint(3, self.config.vocab_size, (PEER_BATCH, len(self.prompt_ids)),
+                                           generator=generator).tolist()
+        self._models, self._ggufs, self._references = {}, {}, {}
 
     def minimind(self, weights):
         if weights not in self._models:
@@ -907,13 +961,16 @@ class PeerContext:
                                                self.tokenizer_dir, outtype=outtype)
         return self._ggufs[outtype]
 
-    @property
-    def reference(self):
-        """MiniMind fp32's greedy tokens: the plain path every faster one is checked against."""
-        if self._reference is None:
-            ids = torch.tensor([self.prompt_ids])
-            self._reference = _minimind_greedy(self.minimind("fp32"), ids, self.sizes["new_tokens"])
-        return self._reference
+    def prompts(self, batch):
+        return [self.prompt_ids] if batch == 1 else self.batch_prompts[:batch]
+
+    def reference(self, batch):
+        """MiniMind fp32's greedy tokens for the batch's prompts: the plain path every other one is checked
+        against."""
+        if batch not in self._references:
+            ids = torch.tensor(self.prompts(batch))
+            self._references[batch] = _minimind_greedy(self.minimind("fp32"), ids, self.sizes["new_tokens"])
+        return self._references[batch]
 
 
 def measure_peer(w, ctx):
@@ -924,8 +981,8 @@ def measure_peer(w, ctx):
     if w.kind == "serve":
         return measure_serve(w, ctx)
     row = PeerRow(w)
-    new, prompt = sizes["new_tokens"], len(ctx.prompt_ids)
-    row.shape = f"1 x {prompt} (+{new})" if w.kind == "decode" else f"1 x {sizes['prefill']}"
+    new, prompt, prompts = sizes["new_tokens"], len(ctx.prompt_ids), ctx.prompts(w.batch)
+    row.shape = f"{w.batch} x {prompt} (+{new})" if w.kind == "decode" else f"1 x {sizes['prefill']}"
     if w.engine == "llama.cpp":
         missing = llama_cpp_missing()
         if missing:
@@ -939,9 +996,13 @@ def measure_peer(w, ctx):
         engine = _LlamaCpp(path, n_ctx=max(prompt + new, sizes["prefill"]) + 16, threads=ctx.threads)
         try:
             if w.kind == "decode":
-                row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights)
-                tokens = engine.greedy(ctx.prompt_ids, new)
-                row.seconds = _timed(lambda: engine.greedy(ctx.prompt_ids, new), repeats)
+                row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
+                if w.batch == 1:
+                    decode = lambda: [engine.greedy(ctx.prompt_ids, new)]  # noqa: E731
+                else:
+                    decode = lambda: engine.greedy_batch(prompts, new)  # noqa: E731
+                tokens = decode()
+                row.seconds = _timed(decode, repeats)
             else:
                 row.seconds = _timed(lambda: engine.prefill(ctx.prefill_ids), repeats)
         finally:
@@ -950,8 +1011,8 @@ def measure_peer(w, ctx):
     else:
         model = ctx.minimind(w.weights)
         if w.kind == "decode":
-            row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights)
-            ids = torch.tensor([ctx.prompt_ids])
+            row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
+            ids = torch.tensor(prompts)
             if w.engine == "minimind compiled":
                 decode, describe = _compiled_decode(model, ids, new, w.weights)
             else:
@@ -969,9 +1030,10 @@ def measure_peer(w, ctx):
 
             row.seconds = _timed(prefill, repeats)
             row.note = "forward, logits of the last position"
-    row.tokens = new if w.kind == "decode" else sizes["prefill"]
+    row.tokens = new * w.batch if w.kind == "decode" else sizes["prefill"]
     if w.kind == "decode":
-        row.same_tokens = (leading_equal(tokens, ctx.reference), len(ctx.reference))
+        reference = ctx.reference(w.batch)
+        row.same_tokens = (sum(leading_equal(a, b) for a, b in zip(tokens, reference)), sum(map(len, reference)))
     ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
     return row
 
@@ -986,13 +1048,15 @@ def _compiled_decode(model, ids, new, weights):
 
     @torch.no_grad()
     def decode():
-        return decoder.generate(ids, max_new_tokens=new)[0, ids.shape[1]:].tolist()
+        return decoder.generate(ids, max_new_tokens=new)[:, ids.shape[1]:].tolist()
 
     def describe(tokens):
         plain = _minimind_greedy(model, ids, new)
-        return (f"CompiledDecoder: static cache, torch.compile{' with freezing' if decoder.freezing else ''}, "
+        shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
+        return (f"CompiledDecoder: static cache, torch.compile with freezing and merged "
+                f"projections{', prepacked' if decoder.inductor_settings(ids.shape[0])['cpp.weight_prepack'] else ''}, "
                 f"compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
-                f"{leading_equal(tokens, plain)} / {len(plain)}")
+                f"{shared} / {sum(map(len, plain))}")
 
     return decode, describe
 
@@ -1174,9 +1238,9 @@ class PeersReport:
         as bullet lines; only pairs measured in this run."""
         measured = {r.workload.row_id: r.tokens_per_second for r in self.rows if not r.skipped and r.tokens}
         lines = []
-        for ours in ("minimind", "minimind-compiled"):
+        for batch, ours in itertools.product(("", f"b{PEER_BATCH}-"), ("minimind", "minimind-compiled")):
             for weights, theirs in (("fp32", "f32"), ("bf16", "f16"), ("bf16", "bf16")):
-                a, b = f"peers-decode-{ours}-{weights}", f"peers-decode-llamacpp-{theirs}"
+                a, b = f"peers-decode-{batch}{ours}-{weights}", f"peers-decode-{batch}llamacpp-{theirs}"
                 if a in measured and b in measured:
                     lines.append(f"- decode {a} / {b}: {measured[a] / measured[b]:.2f}x")
         return "\n".join(lines) + "\n\n" if lines else ""

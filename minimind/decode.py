@@ -1,20 +1,23 @@
-"""Fast batch-1 decoding: the model's one-token step compiled once against a static KV cache.
+"""Fast decoding: the model's one-token step compiled once against a static KV cache.
 
 The recipe is gpt-fast's. A decode step of a small model is one-row matrix products over every weight plus a
 few hundred small ops; eager PyTorch pays Python and dispatch overhead for each op, and `generate`'s compiled
 path adds its own per-step bookkeeping on top. Here the prompt runs eagerly (its length varies), then every
-step is one call of a graph inductor compiled for fixed shapes: input [1, 1], position [1], cache
-[1, kv_heads, L, head_dim] with L rounded up to `CACHE_BUCKET` so that replies of similar length share it.
+step is one call of a graph inductor compiled for fixed shapes: input [B, 1], position [1], cache
+[B, kv_heads, L, head_dim] with L rounded up to `CACHE_BUCKET` so that replies of similar length share it.
+B is the number of prompts, all of one length (a batch needs no padding): a chat reply is B = 1.
 
-For 16-bit weights the graph is compiled with inductor's `freezing`: the weights become constants that it
-prepacks for oneDNN's kernels, which is where bf16 decode on a CPU gains most. fp32 skips it: MKL's plain
-kernels were as fast or faster in the benchmark (`minimind-benchmark --table peers`). Every graph gets
-inductor's C++ wrapper, which calls its kernels without a Python frame per op. Frozen weights are a
-snapshot, so a decoder must be rebuilt after the model is trained further.
+Every graph is compiled with inductor's `freezing`: the weights become constants, so inductor can merge the
+projections that read the same input (q/k/v, gate/up) into one matrix product each (`cpp.enable_concat_linear`;
+fewer, larger products: fp32 90 -> 98 tok/s, bf16 137 -> 162 on the 64M model) and prepack them for oneDNN's
+kernels, except fp32 at batch 1, where MKL's plain kernels were faster for one-row products. Every graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per
+op. Frozen weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved
+state dict is untouched.
 
 `CompiledDecoder.generate` takes the subset of `model.generate`'s arguments the chat front ends use (greedy or
 temperature / top-k / top-p sampling through transformers' own logits warpers, eos, a streamer, stopping
-criteria) and returns what `generate` returns: prompt and new ids, one row. Greedy fp32 output equals
+criteria) and returns what `generate` returns: prompt and new ids, a row per prompt, a row that ended early
+filled with the pad id. Greedy fp32 output equals
 `generate`'s token for token (tests/test_decode.py); anything it does not cover is refused with a ValueError.
 """
 
@@ -35,33 +38,42 @@ def cache_length(needed: int) -> int:
 
 
 class CompiledDecoder:
-    """`generate` for one sequence at a time, with the decode step compiled (`compile=False`: the same loop
-    eagerly, which tests use to check the loop against `model.generate` without paying for compilation)."""
+    """`generate` for unpadded prompts, with the decode step compiled (`compile=False`: the same loop eagerly,
+    which tests use to check the loop against `model.generate` without paying for compilation)."""
 
-    def __init__(self, model, compile: bool = True, freezing: bool | None = None):
+    def __init__(self, model, compile: bool = True):
         if model.training:
             raise ValueError("CompiledDecoder needs a model in eval mode: call model.eval() first")
         self.model = model
         self.dtype = next(model.parameters()).dtype
-        self.freezing = self.dtype != torch.float32 if freezing is None else freezing
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent in the first call of each new cache length (compilation)
         self._step = torch.compile(self._forward_one, fullgraph=True, dynamic=False) if compile else self._forward_one
         self._cache: StaticCache | None = None
         self._compiled_for: StaticCache | None = None
 
-    def _forward_one(self, token, position, cache):  # token [1, 1], position [1]
-        out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
-        return out.logits[:, -1]  # [1, V]
+    def inductor_settings(self, batch: int) -> dict:
+        """Set around each call, not passed as compile options: inductor also reads `freezing` outside the
+        options' scope, and with options alone the weights were not prepacked (81 against 107 tok/s, bf16)."""
+        # cpp_wrapper: the compiled graph's launcher in C++ instead of Python, 5-10% per decoded token. fp32
+        # prepacking: MKL's plain kernels won on one row (98 against 90 tok/s), oneDNN's packed ones on eight
+        # (297 against 255).
+        return {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True,
+                "cpp.weight_prepack": self.dtype != torch.float32 or batch > 1}
 
-    def _fresh_cache(self, needed: int) -> StaticCache:
+    def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
+        out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
+        return out.logits[:, -1]  # [B, V]
+
+    def _fresh_cache(self, batch: int, needed: int) -> StaticCache:
         length = cache_length(needed)
-        if self._cache is not None and self._cache.layers[0].max_cache_len == length:
+        if (self._cache is not None and self._cache.layers[0].max_cache_len == length
+                and self._cache.layers[0].keys.shape[0] == batch):
             self._cache.reset()
             return self._cache
         config = self.model.config
         cache = StaticCache(config=config, max_cache_len=length)
-        cache.early_initialization(batch_size=1, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
+        cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
                                    dtype=self.dtype, device=self.model.device)
         # StaticCache marks its tensors as static addresses (for CUDA graphs). Freezing would then fold them into
         # the graph as constants, so in-place cache updates would write to a copy; as plain inputs they work.
@@ -89,31 +101,39 @@ class CompiledDecoder:
                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                  eos_token_id: int | None = None, pad_token_id: int | None = None, streamer=None,
                  stopping_criteria: StoppingCriteriaList | None = None):
-        del pad_token_id  # one row is never padded
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"CompiledDecoder decodes one sequence: input_ids must be [1, T], got "
-                             f"{list(input_ids.shape)}; use model.generate for batches")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("CompiledDecoder takes an unpadded prompt: attention_mask must be all ones; "
-                             "use model.generate for padded batches")
+            raise ValueError("CompiledDecoder takes unpadded prompts of one length: attention_mask must be all "
+                             "ones; use model.generate for padded batches")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompt_length = input_ids.shape[1]
-        cache = self._fresh_cache(prompt_length + max_new_tokens)
+        batch, prompt_length = input_ids.shape
+        if streamer is not None and batch > 1:
+            raise ValueError(f"a streamer takes one sequence, got a batch of {batch}; stream one prompt at a time")
+        # As in generate: with an eos id, a row that has ended (eos or a stopping criterion) goes on with the pad
+        # id (the eos id when there is none).
+        pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
+        unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        cache = self._fresh_cache(batch, prompt_length + max_new_tokens)
         warpers = self._warpers(do_sample, temperature, top_k, top_p)
         stopping_criteria = stopping_criteria or StoppingCriteriaList()
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
-        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [1, V]
+        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         ids = input_ids
         for step in range(max_new_tokens):
-            token = self._choose(ids, logits, warpers)  # [1, 1]
+            token = self._choose(ids, logits, warpers)  # [B, 1]
+            if batch > 1 and eos_token_id is not None:
+                token = torch.where(unfinished[:, None], token, pad_token_id)
             ids = torch.cat([ids, token], dim=1)
             if streamer is not None:
                 streamer.put(token[0].cpu())
-            done = (eos_token_id is not None and int(token) == eos_token_id) or step + 1 == max_new_tokens
-            if done or bool(stopping_criteria(ids, logits).any()):
+            if eos_token_id is not None:
+                unfinished &= token[:, 0] != eos_token_id
+            unfinished &= ~stopping_criteria(ids, logits).to(unfinished.device)
+            if step + 1 == max_new_tokens or not bool(unfinished.any()):
                 break
             position = torch.tensor([prompt_length + step], device=ids.device)
             logits = self._next_logits(token, position, cache)
@@ -127,10 +147,7 @@ class CompiledDecoder:
         compiling = cache is not self._compiled_for  # a new cache length is a new graph
         started = time.perf_counter()
         try:
-            # Set around the call, not passed as compile options: inductor also reads `freezing` outside the
-            # options' scope, and with options alone the weights were not prepacked (81 against 107 tok/s, bf16).
-            # cpp_wrapper: the compiled graph's launcher in C++ instead of Python, 5-10% per decoded token.
-            with torch._inductor.config.patch(freezing=self.freezing, cpp_wrapper=True):
+            with torch._inductor.config.patch(self.inductor_settings(token.shape[0])):
                 logits = self._step(token, position, cache)
         except Exception as error:  # compilation runs on fake tensors: the cache is untouched
             if not compiling:

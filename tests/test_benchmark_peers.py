@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from minimind.benchmark import (PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeersReport,
+from minimind.benchmark import (PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeersReport,
                                 amx_int8, gguf_matrix_bytes, llama_cpp_missing, matmul_params_per_token,
                                 peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
                                 splice_peers, weight_bytes_per_token)
@@ -68,22 +68,38 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     _, rows = _table(text)
     decode = {r["row"]: r for r in rows if "-decode-" in r["row"] and not r["notes"].startswith("skipped")}
     for r in decode.values():
+        batch = PEER_BATCH if "-decode-b8-" in r["row"] else 1
         equal, compared = (int(x) for x in r["greedy tokens = MiniMind fp32"].split(" / "))
-        assert compared == 8 and 0 <= equal <= 8 and r["B x T (+new)"].endswith("(+8)")
+        assert compared == 8 * batch and 0 <= equal <= compared
+        assert r["B x T (+new)"].startswith(f"{batch} x ") and r["B x T (+new)"].endswith("(+8)")
     assert decode["peers-decode-minimind-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
+    # The batched rows decode PEER_BATCH distinct prompts: fp32 generate and the compiled fp32 path agree on all.
+    assert decode["peers-decode-b8-minimind-fp32"]["greedy tokens = MiniMind fp32"] == "64 / 64"
+    assert decode["peers-decode-b8-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "64 / 64"
+    batched = report.row("peers-decode-b8-minimind-compiled-fp32").note  # fp32 prepacks from two rows on
+    assert "with freezing and merged projections, prepacked, compiled in" in batched
+    assert batched.endswith("greedy tokens = plain fp32 generate: 64 / 64")
     # The compiled fp32 path gives generate's tokens; each compiled row says how many it shares with plain
     # generate at its own precision and how long compilation took.
     assert decode["peers-decode-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
     assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith("greedy tokens = plain fp32 generate: 8 / 8")
     bf16 = report.row("peers-decode-minimind-compiled-bf16")
-    assert "torch.compile with freezing, compiled in" in bf16.note and bf16.note.endswith(" / 8")
+    assert "torch.compile with freezing and merged projections, prepacked, compiled in" in bf16.note
+    assert bf16.note.endswith(" / 8")
+    assert ("torch.compile with freezing and merged projections, compiled in"
+            in report.row("peers-decode-minimind-compiled-fp32").note)
     if not llama_cpp_missing():
         measured = {r.workload.row_id: r.tokens_per_second for r in report.rows if not r.skipped}
         ratio = (measured["peers-decode-minimind-compiled-fp32"] / measured["peers-decode-llamacpp-f32"])
         assert f"- decode peers-decode-minimind-compiled-fp32 / peers-decode-llamacpp-f32: {ratio:.2f}x" in text
-        # Same weights in the same precision: llama.cpp's float32 graph picks the same greedy tokens.
+        # Same weights in the same precision: llama.cpp's float32 graph picks the same greedy tokens, one
+        # sequence or a batch of them.
         assert decode["peers-decode-llamacpp-f32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
         assert report.row("peers-decode-llamacpp-f32").same_tokens == (8, 8)
+        assert report.row("peers-decode-b8-llamacpp-f32").same_tokens == (64, 64)
+        ratio = measured["peers-decode-b8-minimind-compiled-bf16"] / measured["peers-decode-b8-llamacpp-f16"]
+        assert (f"- decode peers-decode-b8-minimind-compiled-bf16 / peers-decode-b8-llamacpp-f16: {ratio:.2f}x"
+                in text)
 
 
 def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losses(peers_run):
@@ -130,14 +146,15 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
     _, rows = _table(text)
     for r in rows:
         if "-decode-" in r["row"] and not r["notes"].startswith("skipped"):
-            assert int(r["weight bytes / token"].replace(",", "")) == expected[r["weights"]]
-            floor = report.bandwidth / expected[r["weights"]]
+            per_token = expected[r["weights"]] // (PEER_BATCH if "-decode-b8-" in r["row"] else 1)  # weights read once a step
+            assert int(r["weight bytes / token"].replace(",", "")) == per_token
+            floor = report.bandwidth / per_token
             assert r["bandwidth floor tok/s (share)"].startswith(f"{floor:,.1f} (")
 
 
 def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
     assert [w.row_id for w in select_workloads(peer_workloads(), ["peers-*-llamacpp-q8_0"])] == [
-        "peers-decode-llamacpp-q8_0", "peers-prefill-512-llamacpp-q8_0"]
+        "peers-decode-llamacpp-q8_0", "peers-decode-b8-llamacpp-q8_0", "peers-prefill-512-llamacpp-q8_0"]
     # --table all with patterns naming peer rows only: just those run, and the result is the peers table.
     report = run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["peers-sft-*"]),
                            log=lambda line: None)

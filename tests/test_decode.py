@@ -1,5 +1,5 @@
 """`minimind.decode.CompiledDecoder` against `model.generate` on tiny models: the same tokens, greedy and sampled,
-with the same stopping rules; compiled (fp32 and bf16 with freezing) as well as eager."""
+with the same stopping rules; compiled (fp32, and bf16 with prepacked weights) as well as eager."""
 
 import pytest
 import torch
@@ -70,6 +70,40 @@ def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
     assert torch.equal(out, plain[:, :PROMPT.shape[1] + 3])
 
 
+BATCH = torch.tensor([[5, 17, 3, 42, 8, 11, 29], [9, 9, 1, 2, 60, 7, 7], [33, 4, 4, 81, 12, 5, 70]])
+
+
+def batch_reference(model, new, **kwargs):
+    with torch.no_grad():
+        return model.generate(BATCH, attention_mask=torch.ones_like(BATCH), max_new_tokens=new, **kwargs)
+
+
+def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
+    decoder = CompiledDecoder(model, compile=False)
+    plain = decoder.generate(BATCH, max_new_tokens=16, **greedy())
+    assert torch.equal(plain, batch_reference(model, 16, pad_token_id=0, **greedy()))
+    # An eos the second row produces early: that row is padded from there on, the others run to the end.
+    eos = int(plain[1, BATCH.shape[1] + 3])
+    out = decoder.generate(BATCH, max_new_tokens=16, pad_token_id=0, **greedy(eos_token_id=eos))
+    assert torch.equal(out, batch_reference(model, 16, pad_token_id=0, **greedy(eos_token_id=eos)))
+    assert (out[1, BATCH.shape[1] + 4:] == 0).all() and out[1, BATCH.shape[1] + 3] == eos
+
+    class RowsAfter(StoppingCriteria):  # the given rows stop once they hold `new` generated tokens
+        def __init__(self, rows, new):
+            self.rows, self.new = rows, new
+
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            done[self.rows] = input_ids.shape[1] >= BATCH.shape[1] + self.new
+            return done
+
+    for rows, new in (([1], 2), ([0, 1, 2], 3)):  # one row padded after 2 tokens; every row ended: the loop stops
+        criteria = StoppingCriteriaList([RowsAfter(rows, new)])
+        out = decoder.generate(BATCH, max_new_tokens=16, pad_token_id=0, stopping_criteria=criteria, **greedy())
+        assert torch.equal(out, batch_reference(model, 16, pad_token_id=0, stopping_criteria=criteria, **greedy()))
+    assert out.shape == (3, BATCH.shape[1] + 3)
+
+
 def test_streamer_receives_the_prompt_then_each_token(model):
     from conftest import TOKENIZER_DIR
 
@@ -84,8 +118,10 @@ def test_streamer_receives_the_prompt_then_each_token(model):
 
 def test_refuses_what_it_does_not_cover(model):
     decoder = CompiledDecoder(model, compile=False)
-    with pytest.raises(ValueError, match=r"input_ids must be \[1, T\], got \[2, 7\]; use model.generate"):
-        decoder.generate(PROMPT.repeat(2, 1), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got \[7\]"):
+        decoder.generate(PROMPT[0], max_new_tokens=4)
+    with pytest.raises(ValueError, match="a streamer takes one sequence, got a batch of 2; stream one prompt at a time"):
+        decoder.generate(PROMPT.repeat(2, 1), max_new_tokens=4, streamer=object())
     with pytest.raises(ValueError, match="attention_mask must be all ones"):
         mask = torch.ones_like(PROMPT)
         mask[0, 0] = 0
@@ -115,7 +151,8 @@ def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(
 @pytest.mark.slow
 def test_compiled_fp32_equals_generate_and_reuses_its_graph(model):
     decoder = CompiledDecoder(model)
-    assert decoder.freezing is False
+    assert decoder.inductor_settings(1)["cpp.weight_prepack"] is False and decoder.inductor_settings(1)["freezing"]
+    assert decoder.inductor_settings(8)["cpp.weight_prepack"] is True
     out = decoder.generate(PROMPT, max_new_tokens=40, **greedy())
     assert torch.equal(out, reference(model, 40, **greedy()))
     assert decoder.compile_seconds > 0
@@ -127,6 +164,10 @@ def test_compiled_fp32_equals_generate_and_reuses_its_graph(model):
         theirs = model.generate(other, attention_mask=torch.ones_like(other), max_new_tokens=25, pad_token_id=0, **greedy())
     assert torch.equal(ours, theirs)
     assert decoder.compile_seconds == first_compile
+    # A batch of three prompts is a new graph; its rows are generate's.
+    batched = decoder.generate(BATCH, max_new_tokens=30, **greedy())
+    assert torch.equal(batched, batch_reference(model, 30, pad_token_id=0, **greedy()))
+    assert decoder.compile_seconds > first_compile
 
 
 def greedy_gap(model, ids, prompt_length):
@@ -142,10 +183,39 @@ def greedy_gap(model, ids, prompt_length):
 def test_compiled_bf16_with_frozen_weights_decodes_greedily():
     model = tiny_model(std=0.3).to(torch.bfloat16)
     decoder = CompiledDecoder(model)
-    assert decoder.freezing is True
+    assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
     eager = CompiledDecoder(model, compile=False)
     for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
         out = decoder.generate(prompt, max_new_tokens=40, **greedy())
         plain = eager.generate(prompt, max_new_tokens=40, **greedy())
         assert torch.equal(out[:, :prompt.shape[1] + 20], plain[:, :prompt.shape[1] + 20])
         assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two bf16 steps at these logits' size
+
+
+@pytest.mark.slow
+def test_compiled_step_merges_the_projections_that_share_an_input():
+    """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
+    down) and the LM head, against 7 per layer unmerged."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class CountMatmuls(CustomGraphPass):
+        counts = []
+
+        def __call__(self, graph):
+            self.counts.append(sum(node.target is torch.ops.aten.mm.default for node in graph.nodes))
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    model = tiny_model(std=0.3)
+    layers = model.config.num_hidden_layers
+    for merged, expected in ((True, 4 * layers + 1), (False, 7 * layers + 1)):
+        CountMatmuls.counts = []
+        decoder = CompiledDecoder(model)
+        settings = decoder.inductor_settings(1) | {"cpp.enable_concat_linear": merged}
+        decoder.inductor_settings = lambda batch: settings  # noqa: B023 (used within this iteration)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=CountMatmuls(), fx_graph_cache=False):
+            out = decoder.generate(PROMPT, max_new_tokens=3, **greedy())
+        assert CountMatmuls.counts == [expected]
+        assert torch.equal(out, reference(model, 3, **greedy()))
