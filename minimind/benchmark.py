@@ -727,7 +727,8 @@ def peer_workloads():
     rows += [PeerWorkload(f"peers-prefill-512-llamacpp-{w}", "prefill", "llama.cpp", w) for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed",
                                                                                 "padded-compiled")]
-    rows += [PeerWorkload(f"peers-serve-{n}-clients", "serve", "minimind server", "fp32") for n in (1, 8)]
+    rows += [PeerWorkload(f"peers-serve-{n}-clients{'' if w == 'fp32' else '-' + w}", "serve", "minimind server", w)
+             for w in PEER_MINIMIND for n in (1, 8)]
     return rows
 
 
@@ -1162,7 +1163,7 @@ def measure_serve(w, ctx):
     from minimind.chat import load_model_and_tokenizer
     from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
 
-    model, tokenizer = load_model_and_tokenizer(ctx.model_dir, "cpu")
+    model, tokenizer = load_model_and_tokenizer(ctx.model_dir, "cpu", {"fp32": "float32", "bf16": "bfloat16"}[w.weights])
     # The batching engine sizes its paged KV cache for max_context x sequences: the model's own 32k context
     # would ask for gigabytes; the prompts here need a few hundred positions.
     generator = Generator(model, tokenizer, "peers", limits=ServerLimits(
@@ -1235,7 +1236,7 @@ class PeersReport:
 
     def ratios(self):
         """MiniMind's decode paths against llama.cpp at the matching precision (fp32 / f32, bf16 / f16 and bf16),
-        as bullet lines; only pairs measured in this run."""
+        and the server's 8 clients against its one, as bullet lines; only pairs measured in this run."""
         measured = {r.workload.row_id: r.tokens_per_second for r in self.rows if not r.skipped and r.tokens}
         lines = []
         for batch, ours in itertools.product(("", f"b{PEER_BATCH}-"), ("minimind", "minimind-compiled")):
@@ -1243,6 +1244,10 @@ class PeersReport:
                 a, b = f"peers-decode-{batch}{ours}-{weights}", f"peers-decode-{batch}llamacpp-{theirs}"
                 if a in measured and b in measured:
                     lines.append(f"- decode {a} / {b}: {measured[a] / measured[b]:.2f}x")
+        for suffix in ("", "-bf16"):  # batched serving: all clients' tokens/s against one client's
+            a, b = f"peers-serve-8-clients{suffix}", f"peers-serve-1-clients{suffix}"
+            if a in measured and b in measured:
+                lines.append(f"- serve {a} / {b}: {measured[a] / measured[b]:.2f}x")
         return "\n".join(lines) + "\n\n" if lines else ""
 
 
@@ -1264,8 +1269,9 @@ PEER_NOTES = """\
   padded = every sample padded to 512 (upstream MiniMind), packed = `--padding_free`. tok/s counts real
   (non-pad) tokens; the first step is left out of the timing. padded-compiled = padded with the model under
   `torch.compile`, as the Trainer's `--torch_compile` runs it (the first step compiles forward and backward).
-- serve: the OpenAI-compatible server (continuous batching) on loopback, fp32, torch's threads; each client
-  streams its greedy completions one after another; tok/s = completion tokens of all clients / wall time.
+- serve: the OpenAI-compatible server (continuous batching) on loopback, fp32 or bf16 weights, torch's threads;
+  each client streams its greedy completions one after another; tok/s = completion tokens of all clients / wall
+  time.
 """
 
 
