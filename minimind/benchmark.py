@@ -676,6 +676,7 @@ def _run(settings, device, log, on_row):
 
 PEER_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # llama.cpp rows, one GGUF export each
 PEER_MINIMIND = ("fp32", "bf16")
+PEER_COMPILED = PEER_MINIMIND + ("int8",)  # int8: torchao weight-only int8 decoder layers, bf16 activations
 PEER_BATCH = 8  # the batched decode rows: this many sequences, decoded together
 PEER_PROMPT = "Once upon a time, a small language model lived in a quiet town. Every morning it"
 Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34  # 32 int8 values and one float16 scale
@@ -715,12 +716,12 @@ class PeerRow:
 def peer_workloads():
     rows = [PeerWorkload(f"peers-decode-minimind-{w}", "decode", "minimind", w) for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-decode-minimind-compiled-{w}", "decode", "minimind compiled", w)
-             for w in PEER_MINIMIND]
+             for w in PEER_COMPILED]
     rows += [PeerWorkload(f"peers-decode-llamacpp-{w}", "decode", "llama.cpp", w) for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-{w}", "decode", "minimind", w, PEER_BATCH)
              for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-compiled-{w}", "decode", "minimind compiled", w,
-                          PEER_BATCH) for w in PEER_MINIMIND]
+                          PEER_BATCH) for w in PEER_COMPILED]
     rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-llamacpp-{w}", "decode", "llama.cpp", w, PEER_BATCH)
              for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-prefill-512-minimind-{w}", "prefill", "minimind", w) for w in PEER_MINIMIND]
@@ -760,7 +761,10 @@ def decode_matrices(config):
 
 def matrix_bytes(rows, row_length, weights):
     """Bytes of one matrix stored as `weights`. q8_0 packs each row in blocks of 32 values (34 bytes); the
-    export stores a matrix whose rows are not a multiple of 32 in f16, as llama.cpp's converter does."""
+    export stores a matrix whose rows are not a multiple of 32 in f16, as llama.cpp's converter does. int8: one
+    byte per value and a float32 scale per row (torchao's layout)."""
+    if weights == "int8":
+        return rows * row_length + rows * 4
     if weights == "q8_0":
         if row_length % Q8_0_BLOCK:
             return rows * row_length * 2
@@ -769,7 +773,10 @@ def matrix_bytes(rows, row_length, weights):
 
 
 def weight_bytes_per_token(config, weights):
-    return sum(matrix_bytes(rows, length, weights) for rows, length in decode_matrices(config))
+    *layers, head = decode_matrices(config)
+    # MiniMind's int8 path quantizes the decoder layers only: the tied LM head stays bf16.
+    return (sum(matrix_bytes(rows, length, weights) for rows, length in layers)
+            + matrix_bytes(*head, "bf16" if weights == "int8" else weights))
 
 
 def gguf_matrix_bytes(path):
@@ -814,6 +821,15 @@ def llama_cpp_missing():
     return ""
 
 
+def int8_missing():
+    """Why the int8 rows cannot run here, or "" when they can."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError as error:
+        return f"torchao not installed ({error}); pip install 'minimind[int8]'"
+    return ""
+
+
 def leading_equal(a, b):
     count = 0
     for x, y in zip(a, b):
@@ -827,11 +843,25 @@ class _LlamaCpp:
     """One GGUF model in llama.cpp, driven token by token so that greedy decoding ignores eos exactly as
     generate(min_new_tokens=N) does."""
 
-    def __init__(self, path, n_ctx, threads):
+    def __init__(self, path, n_ctx, threads, extra_buffer_types=True):
         import llama_cpp
+        import llama_cpp.llama
 
-        self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                                     n_threads=threads, n_threads_batch=threads, verbose=False)
+        # `Llama` does not expose llama.cpp's `use_extra_bufts` (the CPU backend's AMX and repacked layouts),
+        # so the default parameters it starts from are adjusted for the one call.
+        defaults = llama_cpp.llama.llama_cpp.llama_model_default_params
+
+        def model_params():
+            params = defaults()
+            params.use_extra_bufts = extra_buffer_types
+            return params
+
+        llama_cpp.llama.llama_cpp.llama_model_default_params = model_params
+        try:
+            self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
+                                         n_threads=threads, n_threads_batch=threads, verbose=False)
+        finally:
+            llama_cpp.llama.llama_cpp.llama_model_default_params = defaults
         self.vocab = self.llama.n_vocab()
         self._batch_context = self._batch = None
 
@@ -950,8 +980,14 @@ class PeerContext:
 
     def minimind(self, weights):
         if weights not in self._models:
-            self._models[weights] = MiniMindForCausalLM.from_pretrained(
-                self.model_dir, dtype=DTYPES[weights], attn_implementation=self.settings.attn_implementation).eval()
+            model = MiniMindForCausalLM.from_pretrained(
+                self.model_dir, dtype=DTYPES["bf16" if weights == "int8" else weights],
+                attn_implementation=self.settings.attn_implementation).eval()
+            if weights == "int8":
+                from minimind.decode import quantize_weights_int8
+
+                quantize_weights_int8(model)
+            self._models[weights] = model
         return self._models[weights]
 
     def gguf(self, outtype):
@@ -989,12 +1025,12 @@ def measure_peer(w, ctx):
         if missing:
             row.skipped = missing
             return row
-        if w.weights == "q8_0" and amx_int8():
-            row.skipped = ("q8_0 segfaults in llama.cpp's CPU backend on CPUs with AMX-INT8 (this one has "
-                           "amx_int8; ggml-org/llama.cpp#20824)")
-            return row
+        # llama.cpp's AMX-INT8 kernels for q8_0 segfault (ggml-org/llama.cpp#20824): on such a CPU q8_0 runs
+        # with the CPU backend's extra buffer types off, on its AVX-512 kernels.
+        plain_buffers = w.weights == "q8_0" and amx_int8()
         path = ctx.gguf(w.weights)
-        engine = _LlamaCpp(path, n_ctx=max(prompt + new, sizes["prefill"]) + 16, threads=ctx.threads)
+        engine = _LlamaCpp(path, n_ctx=max(prompt + new, sizes["prefill"]) + 16, threads=ctx.threads,
+                           extra_buffer_types=not plain_buffers)
         try:
             if w.kind == "decode":
                 row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
@@ -1008,8 +1044,13 @@ def measure_peer(w, ctx):
                 row.seconds = _timed(lambda: engine.prefill(ctx.prefill_ids), repeats)
         finally:
             engine.close()
-        row.note = f"n_threads {ctx.threads}"
+        row.note = f"n_threads {ctx.threads}" + (
+            "; extra buffer types off (AMX-INT8 q8_0 kernels segfault: ggml-org/llama.cpp#20824)"
+            if plain_buffers else "")
     else:
+        if w.weights == "int8" and int8_missing():
+            row.skipped = int8_missing()
+            return row
         model = ctx.minimind(w.weights)
         if w.kind == "decode":
             row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
@@ -1240,7 +1281,7 @@ class PeersReport:
         measured = {r.workload.row_id: r.tokens_per_second for r in self.rows if not r.skipped and r.tokens}
         lines = []
         for batch, ours in itertools.product(("", f"b{PEER_BATCH}-"), ("minimind", "minimind-compiled")):
-            for weights, theirs in (("fp32", "f32"), ("bf16", "f16"), ("bf16", "bf16")):
+            for weights, theirs in (("fp32", "f32"), ("bf16", "f16"), ("bf16", "bf16"), ("int8", "q8_0")):
                 a, b = f"peers-decode-{batch}{ours}-{weights}", f"peers-decode-{batch}llamacpp-{theirs}"
                 if a in measured and b in measured:
                     lines.append(f"- decode {a} / {b}: {measured[a] / measured[b]:.2f}x")
@@ -1258,10 +1299,14 @@ PEER_NOTES = """\
 - decode: greedy from a fixed prompt, eos ignored, the prompt's prefill included in the time; tok/s counts
   the generated tokens. minimind compiled = `minimind.decode.CompiledDecoder`, the chat command's default
   path; its compilation happens before the timed runs, and its note gives the tokens it shares with plain
-  `generate` at the same precision. prefill-512: one forward over 512 tokens, tok/s counts them.
+  `generate` at the same precision. int8 = the decoder layers' weights in int8 (torchao, one scale per row),
+  the tied LM head and the activations in bf16 (`minimind-chat --int8`). b8 rows: 8 different prompts of the
+  peer prompt's length decoded together (llama.cpp: one llama_decode over the 8 sequences each step).
+  prefill-512: one forward over 512 tokens, tok/s counts them.
 - copy bandwidth: the best large torch tensor copy (bytes read + written per second) with the run's threads.
 - weight bytes / token: the bytes of every matrix a decode step reads (decoder projections and the tied LM
-  head) in that row's precision, q8_0 as 34 bytes per 32 values. Bandwidth floor: the copy bandwidth divided
+  head) in that row's precision, q8_0 as 34 bytes per 32 values, int8 as a byte per value and a float32 scale
+  per row (its LM head bf16); a b8 row reads them once per 8 tokens. Bandwidth floor: the copy bandwidth divided
   by those bytes, the fastest decode memory allows; the share is the row's tok/s against it.
 - greedy tokens: how many leading generated tokens equal MiniMind fp32's, of all generated. Quantized paths
   may part ways early on a random-init model, whose logits lie close together.

@@ -26,11 +26,21 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model_and_tokenizer(model_name_or_path: str, device: str | None = None, dtype: str = "float32"):
-    """The model (eval mode, on `device`) and its tokenizer from one directory or Hub id."""
+def load_model_and_tokenizer(model_name_or_path: str, device: str | None = None, dtype: str = "float32",
+                             int8: bool = False):
+    """The model (eval mode, on `device`) and its tokenizer from one directory or Hub id. `int8`: the decoder
+    layers' weights in int8 (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that
+    says float32."""
     tokenizer = load_tokenizer(model_name_or_path)
+    if int8 and dtype == "float32":
+        dtype = "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=DTYPES[dtype], trust_remote_code=True)
-    return model.to(device or default_device()).eval(), tokenizer
+    model = model.to(device or default_device()).eval()
+    if int8:
+        from minimind.decode import quantize_weights_int8
+
+        quantize_weights_int8(model)
+    return model, tokenizer
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:

@@ -153,10 +153,13 @@ def _add_model_flags(parser):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
 
-def _add_compile_flag(parser):
+def _add_decode_flags(parser):
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="decode with the one-token step compiled against a static cache (default; the first "
-                             "reply waits 10-30 s for compilation on a CPU); --no-compile uses model.generate")
+                             "reply waits 10-50 s for compilation on a CPU); --no-compile uses model.generate")
+    parser.add_argument("--int8", action="store_true",
+                        help="weight-only int8 decoder layers (torchao; pip install 'minimind[int8]'), the rest "
+                             "in bfloat16 unless --dtype float16: the fastest CPU decode")
 
 
 @command
@@ -181,9 +184,9 @@ def chat(argv=None):
     parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
                         help="let the model reason in a <think> block, shown apart from the answer (default); "
                              "--no-enable_thinking puts an empty think block in the prompt so it answers directly")
-    _add_compile_flag(parser)
+    _add_decode_flags(parser)
     args = parser.parse_args(argv)
-    model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
+    model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype, args.int8)
     decoder = None
     if args.compile:
         from minimind.decode import CompiledDecoder
@@ -270,12 +273,12 @@ def web(argv=None):
                         help="the page's starting value of 'Let the model think'")
     parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (no auth!)")
     parser.add_argument("--port", type=int, default=7860)
-    _add_compile_flag(parser)
+    _add_decode_flags(parser)
     args = parser.parse_args(argv)
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     app = page.build_app(args.model_name_or_path, device=args.device, dtype=args.dtype, defaults=defaults,
                          system_prompt=args.system_prompt, enable_thinking=args.enable_thinking,
-                         compile=args.compile)
+                         compile=args.compile, int8=args.int8)
     page.launch(app, host=args.host, port=args.port)
     return app
 

@@ -65,8 +65,8 @@ class LoadedModel:
     """The model the page chats with: the one in the directory named on the page, kept until another is named.
     One at a time, so switching models does not double the memory in use."""
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", compile: bool = False):
-        self.device, self.dtype, self.compile = device, dtype, compile
+    def __init__(self, device: str | None = None, dtype: str = "float32", compile: bool = False, int8: bool = False):
+        self.device, self.dtype, self.compile, self.int8 = device, dtype, compile, int8
         self.path = None
         self.model = self.tokenizer = self.decoder = None
         self._lock = threading.Lock()  # a load and a reply may arrive together from two browser events
@@ -77,7 +77,7 @@ class LoadedModel:
             if path != self.path:
                 # the old model is freed before the new one loads
                 self.model = self.tokenizer = self.decoder = self.path = None
-                self.model, self.tokenizer = load_model_and_tokenizer(path, self.device, self.dtype)
+                self.model, self.tokenizer = load_model_and_tokenizer(path, self.device, self.dtype, self.int8)
                 self.decoder = CompiledDecoder(self.model) if self.compile else None
                 self.path = path
             return self.model, self.tokenizer, self.decoder
@@ -108,17 +108,18 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
 
 def build_app(model_name_or_path: str, *, device: str | None = None, dtype: str = "float32",
               defaults: SamplingParams | None = None, system_prompt: str | None = None,
-              enable_thinking: bool = True, compile: bool = False):
+              enable_thinking: bool = True, compile: bool = False, int8: bool = False):
     """The chat page as a `gr.Blocks`, with the model in `model_name_or_path` loaded (so a bad path fails here,
     not on the first message). `compile`: replies through `minimind.decode.CompiledDecoder` (the command's
-    default), which Gradio's one-reply-at-a-time queue keeps to one sequence."""
+    default), which Gradio's one-reply-at-a-time queue keeps to one sequence; `int8`: int8 decoder weights
+    (`minimind.chat.load_model_and_tokenizer`)."""
     try:
         import gradio as gr
     except ImportError as error:
         raise ImportError('the web chat needs Gradio: pip install "minimind[web]" (or pip install gradio)') from error
 
     defaults = defaults or SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=512)
-    loaded = LoadedModel(device, dtype, compile)
+    loaded = LoadedModel(device, dtype, compile, int8)
     loaded.get(model_name_or_path)
 
     def load(path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minimind.benchmark import (PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeersReport,
-                                amx_int8, gguf_matrix_bytes, llama_cpp_missing, matmul_params_per_token,
+                                amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing, llama_cpp_missing, matmul_params_per_token,
                                 peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
                                 splice_peers, weight_bytes_per_token)
 from minimind.data import build_dataset
@@ -57,8 +57,10 @@ def test_llama_cpp_rows_run_or_say_why_not(peers_run):
             continue
         if missing:
             assert r["notes"] == "skipped: " + missing
-        elif r["weights"] == "q8_0" and amx_int8():
-            assert "amx_int8" in r["notes"] and "llama.cpp#20824" in r["notes"] and r["tok/s"] == "-"
+        elif r["weights"] == "q8_0" and amx_int8():  # runs on llama.cpp's plain CPU kernels
+            assert r["notes"] == ("n_threads 1; extra buffer types off (AMX-INT8 q8_0 kernels segfault: "
+                                  "ggml-org/llama.cpp#20824)")
+            assert float(r["tok/s"].replace(",", "")) > 0
         else:
             assert r["notes"] == "n_threads 1" and float(r["tok/s"].replace(",", "")) > 0
 
@@ -88,8 +90,17 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     assert bf16.note.endswith(" / 8")
     assert ("torch.compile with freezing and merged projections, compiled in"
             in report.row("peers-decode-minimind-compiled-fp32").note)
+    int8 = report.row("peers-decode-minimind-compiled-int8")
+    if int8_missing():
+        assert int8.skipped == int8_missing()
+    else:  # the 8-bit path: prepacked and autotuned like bf16, checked against the same model under generate
+        assert "with freezing and merged projections, prepacked, compiled in" in int8.note
+        assert int8.note.endswith(" / 8") and "greedy tokens = plain int8 generate: " in int8.note
     if not llama_cpp_missing():
         measured = {r.workload.row_id: r.tokens_per_second for r in report.rows if not r.skipped}
+        if not int8_missing():
+            ratio = measured["peers-decode-minimind-compiled-int8"] / measured["peers-decode-llamacpp-q8_0"]
+            assert f"- decode peers-decode-minimind-compiled-int8 / peers-decode-llamacpp-q8_0: {ratio:.2f}x" in text
         ratio = (measured["peers-decode-minimind-compiled-fp32"] / measured["peers-decode-llamacpp-f32"])
         assert f"- decode peers-decode-minimind-compiled-fp32 / peers-decode-llamacpp-f32: {ratio:.2f}x" in text
         # Same weights in the same precision: llama.cpp's float32 graph picks the same greedy tokens, one
@@ -129,8 +140,10 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
     ctx = PeerContext(BenchmarkSettings(quick=True), str(tmp_path), threads=1, log=lambda line: None)
     config = ctx.config
     params = matmul_params_per_token(config) + config.vocab_size * config.hidden_size  # layers + tied LM head
+    head = config.vocab_size * config.hidden_size
+    layer_rows = sum(rows for rows, _ in decode_matrices(config)[:-1])
     expected = {"fp32": 4 * params, "bf16": 2 * params, "f32": 4 * params, "f16": 2 * params,
-                "q8_0": params // 32 * 34}
+                "q8_0": params // 32 * 34, "int8": (params - head) + 4 * layer_rows + 2 * head}
     assert params % 32 == 0  # every tiny-model row length is a multiple of 32, so all of q8_0 is blocks
     for weights, count in expected.items():
         assert weight_bytes_per_token(config, weights) == count
@@ -141,6 +154,13 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
         embed = model.model.embed_tokens.weight
         assert model.config.tie_word_embeddings
         assert linear + embed.numel() * embed.element_size() == expected[weights]
+    if not int8_missing():  # torchao's int8 tensors: a byte per weight and a float32 scale per row
+        model = ctx.minimind("int8")
+        layers = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        stored = sum(w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
+                     for w in layers)
+        embed = model.model.embed_tokens.weight
+        assert stored + embed.numel() * embed.element_size() == expected["int8"]
     for outtype in PEER_OUTTYPES:  # the bytes llama.cpp reads are the file's own matrices
         assert gguf_matrix_bytes(ctx.gguf(outtype)) == expected[outtype]
     _, rows = _table(text)

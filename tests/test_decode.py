@@ -219,3 +219,54 @@ def test_compiled_step_merges_the_projections_that_share_an_input():
             out = decoder.generate(PROMPT, max_new_tokens=3, **greedy())
         assert CountMatmuls.counts == [expected]
         assert torch.equal(out, reference(model, 3, **greedy()))
+
+
+def test_int8_weights_quantize_every_decoder_projection_per_row():
+    pytest.importorskip("torchao")
+    from minimind.decode import quantize_weights_int8
+
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    before = {name: m.weight.detach().float().clone() for name, m in model.model.layers.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    quantize_weights_int8(model)
+    assert len(before) == 7 * model.config.num_hidden_layers
+    for name, module in model.model.layers.named_modules():
+        if name not in before:
+            continue
+        weight = module.weight
+        assert weight.qdata.dtype == torch.int8 and weight.qdata.shape == before[name].shape
+        scale = weight.scale.float().reshape(-1, 1)  # one per output row
+        assert scale.shape[0] == before[name].shape[0]
+        dequantized = weight.qdata.float() * scale
+        # Round-to-nearest on a symmetric per-row grid: each weight within half a step of the original.
+        assert (dequantized - before[name]).abs().le(scale / 2 + 1e-2 * scale).all()
+        x = torch.randn(3, before[name].shape[1], dtype=torch.bfloat16)
+        torch.testing.assert_close(module(x).float(), torch.nn.functional.linear(x.float(), dequantized),
+                                   atol=0.05, rtol=0.02)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)  # embedding and tied head stay 16-bit
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_int8_weights_refuse_fp32_and_name_torchao_when_missing(monkeypatch):
+    from minimind.decode import quantize_weights_int8
+
+    with pytest.raises(ValueError, match=r"int8 weights pair with 16-bit activations, but the model holds "
+                                         r"torch.float32: load it with dtype=torch.bfloat16 first"):
+        quantize_weights_int8(tiny_model())
+    monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)
+    with pytest.raises(ImportError, match=r"int8 weights use torchao, which is not installed .*"
+                                          r"pip install 'minimind\[int8\]'"):
+        quantize_weights_int8(tiny_model().to(torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_compiled_int8_decodes_as_the_eager_int8_model():
+    pytest.importorskip("torchao")
+    from minimind.decode import quantize_weights_int8
+
+    model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
+    out = CompiledDecoder(model).generate(PROMPT, max_new_tokens=30, **greedy())
+    plain = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=30, **greedy())
+    assert torch.equal(out[:, :PROMPT.shape[1] + 15], plain[:, :PROMPT.shape[1] + 15])
+    assert greedy_gap(model, out, PROMPT.shape[1]) <= 0.0625
