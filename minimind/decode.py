@@ -9,19 +9,18 @@ B is the number of prompts, all of one length (a batch needs no padding): a chat
 
 Every graph is compiled with inductor's `freezing`: the weights become constants, so inductor can merge the
 projections that read the same input (q/k/v, gate/up) into one matrix product each (`cpp.enable_concat_linear`;
-fewer, larger products: fp32 90 -> 98 tok/s, bf16 137 -> 162 on the 64M model) and prepack them for oneDNN's
-kernels, except fp32 at batch 1, where MKL's plain kernels were faster for one-row products. 16-bit and int8
-weights also get inductor's own C++ matrix-product kernels where its autotuning finds them faster
+fewer, larger products: bf16 137 -> 162 tok/s on the 64M model) and prepack them for oneDNN's kernels. 16-bit
+and int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds them faster
 (`max_autotune`: bf16 162 -> 193 tok/s, int8 weights 190 -> 301, at 30-50 s of compilation instead of 15).
-Every graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per
-op. Frozen weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved
-state dict is untouched.
+Every graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per op. Frozen
+weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved state dict
+is untouched.
 
 `CompiledDecoder.generate` takes the subset of `model.generate`'s arguments the chat front ends use (greedy or
 temperature / top-k / top-p sampling through transformers' own logits warpers, eos, a streamer, stopping
 criteria) and returns what `generate` returns: prompt and new ids, a row per prompt, a row that ended early
-filled with the pad id. Greedy fp32 output equals
-`generate`'s token for token (tests/test_decode.py); anything it does not cover is refused with a ValueError.
+filled with the pad id. Greedy fp32 output equals `generate`'s token for token (tests/test_decode.py);
+anything it does not cover is refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -58,15 +57,19 @@ class CompiledDecoder:
     def inductor_settings(self, batch: int) -> dict:
         """Set around each call, not passed as compile options: inductor also reads `freezing` outside the
         options' scope, and with options alone the weights were not prepacked (81 against 107 tok/s, bf16)."""
-        # cpp_wrapper: the compiled graph's launcher in C++ instead of Python, 5-10% per decoded token. fp32
-        # prepacking: MKL's plain kernels won on one row (98 against 90 tok/s), oneDNN's packed ones on eight
-        # (297 against 255).
+        # cpp_wrapper: the compiled graph's launcher in C++ instead of Python, 5-10% per decoded token.
+        # weight_prepack stays on for every dtype: inductor registers its prepacking patterns once per process,
+        # at the first frozen compile, and only if the flag is on then. (fp32 at batch 1 unpacked ran 98 against
+        # 90 tok/s, but a later bf16 or int8 decoder in the same process then lost its packed kernels: int8 131
+        # against 291.)
         # max_autotune: inductor's C++ GEMM template against ATen's; it only paid off for 16-bit activations
-        # (fp32 at batch 1: 81 against 98).
+        # (fp32 at batch 1: 81 against 90).
         sixteen_bit = self.dtype != torch.float32
         return {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True,
-                "cpp.weight_prepack": sixteen_bit or batch > 1, "max_autotune": sixteen_bit,
-                "max_autotune_gemm_backends": "CPP,ATEN"}
+                "cpp.weight_prepack": True, "max_autotune": sixteen_bit,
+                "max_autotune_gemm_backends": "CPP,ATEN",
+                # autotuning reports every choice on stderr, which would land in the middle of a chat
+                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
     def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
         out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)

@@ -104,6 +104,16 @@ def test_chat_no_compile_uses_generate_with_the_same_arguments(chat_dir, monkeyp
     assert torch.equal(default[0][3], plain[0][3])  # the same greedy reply
 
 
+def test_chat_int8_loads_int8_decoder_weights_in_bfloat16(chat_dir, monkeypatch, capsys):
+    pytest.importorskip("torchao")
+    argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4", "--int8", "--no-compile"]
+    _, [(model, _, _, reply)] = _run_chat(monkeypatch, capsys, argv, ["Hello"])
+    assert model.dtype == torch.bfloat16 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    projections = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert projections and all(w.qdata.dtype == torch.int8 for w in projections)
+    assert reply.shape[1] > 0
+
+
 def test_chat_sampling_flags_reach_generate(chat_dir, monkeypatch, capsys):
     argv = ["--model_name_or_path", chat_dir, "--temperature", "0.5", "--top_p", "0.8", "--top_k", "50",
             "--max_new_tokens", "3", "--dtype", "bfloat16", "--device", "cpu"]
