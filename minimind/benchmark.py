@@ -1300,7 +1300,7 @@ PEER_NOTES = """\
   the generated tokens. minimind compiled = `minimind.decode.CompiledDecoder`, the chat command's default
   path; its compilation happens before the timed runs, and its note gives the tokens it shares with plain
   `generate` at the same precision. int8 = the decoder layers' weights in int8 (torchao, one scale per row),
-  the tied LM head and the activations in bf16 (`minimind-chat --int8`). b8 rows: 8 different prompts of the
+  the tied LM head and the activations in bf16 (the chat command's `--int8`). b8 rows: 8 different prompts of the
   peer prompt's length decoded together (llama.cpp: one llama_decode over the 8 sequences each step).
   prefill-512: one forward over 512 tokens, tok/s counts them.
 - copy bandwidth: the best large torch tensor copy (bytes read + written per second) with the run's threads.
