@@ -1095,8 +1095,9 @@ def _compiled_decode(model, ids, new, weights):
     def describe(tokens):
         plain = _minimind_greedy(model, ids, new)
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
-        return (f"CompiledDecoder: static cache, torch.compile with freezing and merged "
-                f"projections{', prepacked' if decoder.inductor_settings(ids.shape[0])['cpp.weight_prepack'] else ''}, "
+        autotuned = decoder.inductor_settings(ids.shape[0])["max_autotune"]
+        return (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, prepacked "
+                f"weights{', autotuned GEMMs' if autotuned else ''}, "
                 f"compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
                 f"{shared} / {sum(map(len, plain))}")
 
