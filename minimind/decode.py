@@ -25,7 +25,9 @@ anything it does not cover is refused with a ValueError.
 
 from __future__ import annotations
 
+import itertools
 import time
+import types
 import warnings
 
 import torch
@@ -33,6 +35,7 @@ from transformers import (LogitsProcessorList, StaticCache, StoppingCriteriaList
                           TopKLogitsWarper, TopPLogitsWarper)
 
 CACHE_BUCKET = 256  # cache lengths are multiples of this: one compiled graph serves every reply in a bucket
+_decoder_ids = itertools.count()
 
 
 def cache_length(needed: int) -> int:
@@ -50,7 +53,7 @@ class CompiledDecoder:
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent in the first call of each new cache length (compilation)
-        self._step = torch.compile(self._forward_one, fullgraph=True, dynamic=False) if compile else self._forward_one
+        self._step = torch.compile(self._own_step(), fullgraph=True, dynamic=False) if compile else self._forward_one
         self._cache: StaticCache | None = None
         self._compiled_for: StaticCache | None = None
 
@@ -70,6 +73,15 @@ class CompiledDecoder:
                 "max_autotune_gemm_backends": "CPP,ATEN",
                 # autotuning reports every choice on stderr, which would land in the middle of a chat
                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+
+    def _own_step(self):
+        """`_forward_one` bound to this decoder through a code object of its own. Dynamo keeps compiled graphs,
+        and its limit of 8 recompilations, per code object: shared by every decoder, the ninth model or shape in
+        a process (a web page switching models, a test session) would fall back to eager, and the graphs, with
+        the frozen weights in them, would keep every earlier model alive."""
+        code = self._forward_one.__func__.__code__
+        own = code.replace(co_name=f"decode_step_{next(_decoder_ids)}")
+        return types.MethodType(types.FunctionType(own, globals()), self)
 
     def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
         out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)

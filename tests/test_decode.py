@@ -272,3 +272,22 @@ def test_compiled_int8_decodes_as_the_eager_int8_model():
     plain = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=30, **greedy())
     assert torch.equal(out[:, :PROMPT.shape[1] + 15], plain[:, :PROMPT.shape[1] + 15])
     assert greedy_gap(model, out, PROMPT.shape[1]) <= 0.0625
+
+
+@pytest.mark.slow
+def test_each_decoder_compiles_on_its_own_and_lets_its_model_go():
+    """Decoders do not share dynamo's recompilation budget (one new graph per decoder is allowed here), and a
+    decoder's compiled graphs, frozen weights included, go with it."""
+    import gc
+    import weakref
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seed in (1, 2):
+            model = tiny_model(std=0.3, seed=seed)
+            decoder = CompiledDecoder(model)
+            out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
+            assert decoder.compiled and torch.equal(out, reference(model, 6, **greedy()))
+            alive = weakref.ref(model)
+            del model, decoder
+            gc.collect()
+            assert alive() is None
