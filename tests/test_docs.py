@@ -240,6 +240,11 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
             "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
     elif name == "chat":  # interactive: one line on stdin, then end of input
+        from minimind.decode import CompiledDecoder
+
+        # The decode loop uncompiled: each compilation costs seconds, and tests/test_decode.py covers it.
+        init = CompiledDecoder.__init__
+        monkeypatch.setattr(CompiledDecoder, "__init__", lambda self, model, compile=True: init(self, model, False))
         monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
         main(list(argv))
         assert "MiniMind chat." in capfd.readouterr().out

@@ -27,11 +27,16 @@ def chat_dir(tmp_path_factory):
     return str(path)
 
 
-def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True):
+def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True, compile_step=False):
     """Run `minimind-chat argv` with `lines` typed at the prompt, then end of input (what a pipe gives);
     return the printed text and, per reply, the model, its generate kwargs and the generated ids.
-    Without `generate_for_real` each reply is just the end-of-turn token, so default lengths cost nothing."""
+    Without `generate_for_real` each reply is just the end-of-turn token, so default lengths cost nothing.
+    The default path's decoder runs its loop uncompiled unless `compile_step`: these tests are about the
+    command, and compiling costs seconds each (tests/test_decode.py covers the compiled step)."""
     calls, paths = [], []
+    if not compile_step:
+        init = CompiledDecoder.__init__
+        monkeypatch.setattr(CompiledDecoder, "__init__", lambda self, model, compile=True: init(self, model, False))
     real_load = engine.load_model_and_tokenizer
     real_decoder_generate = CompiledDecoder.generate
 
@@ -96,7 +101,7 @@ def test_chat_defaults_sample_with_the_documented_settings(chat_dir, monkeypatch
 
 def test_chat_no_compile_uses_generate_with_the_same_arguments(chat_dir, monkeypatch, capsys):
     argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4"]
-    _, default = _run_chat(monkeypatch, capsys, argv, ["Hello"])
+    _, default = _run_chat(monkeypatch, capsys, argv, ["Hello"], compile_step=True)
     assert _run_chat.paths == ["compiled"]
     _, plain = _run_chat(monkeypatch, capsys, [*argv, "--no-compile"], ["Hello"])
     assert _run_chat.paths == ["generate"]
