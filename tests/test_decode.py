@@ -193,9 +193,13 @@ def test_compiled_bf16_with_frozen_weights_decodes_greedily():
 
 
 @pytest.mark.slow
-def test_compiled_step_merges_the_projections_that_share_an_input():
+def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own():
     """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
-    down) and the LM head, against 7 per layer unmerged."""
+    down) and the LM head, against 7 per layer unmerged. The two decoders share no dynamo cache: with one graph
+    allowed per code object both compile, and their graphs, frozen weights included, go with them."""
+    import gc
+    import weakref
+
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class CountMatmuls(CustomGraphPass):
@@ -211,16 +215,22 @@ def test_compiled_step_merges_the_projections_that_share_an_input():
 
     model = tiny_model(std=0.3)
     layers = model.config.num_hidden_layers
-    for merged, expected in ((True, 4 * layers + 1), (False, 7 * layers + 1)):
-        CountMatmuls.counts = []
-        decoder = CompiledDecoder(model)
-        settings = decoder.inductor_settings(1) | {"cpp.enable_concat_linear": merged}
-        decoder.inductor_settings = lambda batch: settings  # noqa: B023 (used within this iteration)
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(post_grad_custom_post_pass=CountMatmuls(), fx_graph_cache=False):
-            out = decoder.generate(PROMPT, max_new_tokens=3, **greedy())
-        assert CountMatmuls.counts == [expected]
-        assert torch.equal(out, reference(model, 3, **greedy()))
+    decoders = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for merged, expected in ((True, 4 * layers + 1), (False, 7 * layers + 1)):
+            CountMatmuls.counts = []
+            decoder = CompiledDecoder(model)
+            settings = decoder.inductor_settings(1) | {"cpp.enable_concat_linear": merged}
+            decoder.inductor_settings = lambda batch, settings=settings: settings
+            with torch._inductor.config.patch(post_grad_custom_post_pass=CountMatmuls(), fx_graph_cache=False):
+                out = decoder.generate(PROMPT, max_new_tokens=3, **greedy())
+            assert decoder.compiled and CountMatmuls.counts == [expected]
+            assert torch.equal(out, reference(model, 3, **greedy()))
+            decoders.append(decoder)
+    alive = weakref.ref(model)
+    del model, decoder, decoders
+    gc.collect()
+    assert alive() is None
 
 
 def test_int8_weights_quantize_every_decoder_projection_per_row():
@@ -272,22 +282,3 @@ def test_compiled_int8_decodes_as_the_eager_int8_model():
     plain = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=30, **greedy())
     assert torch.equal(out[:, :PROMPT.shape[1] + 15], plain[:, :PROMPT.shape[1] + 15])
     assert greedy_gap(model, out, PROMPT.shape[1]) <= 0.0625
-
-
-@pytest.mark.slow
-def test_each_decoder_compiles_on_its_own_and_lets_its_model_go():
-    """Decoders do not share dynamo's recompilation budget (one new graph per decoder is allowed here), and a
-    decoder's compiled graphs, frozen weights included, go with it."""
-    import gc
-    import weakref
-
-    with torch._dynamo.config.patch(recompile_limit=1):
-        for seed in (1, 2):
-            model = tiny_model(std=0.3, seed=seed)
-            decoder = CompiledDecoder(model)
-            out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
-            assert decoder.compiled and torch.equal(out, reference(model, 6, **greedy()))
-            alive = weakref.ref(model)
-            del model, decoder
-            gc.collect()
-            assert alive() is None
