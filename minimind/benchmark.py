@@ -1051,6 +1051,10 @@ def measure_peer(w, ctx):
         if w.weights == "int8" and int8_missing():
             row.skipped = int8_missing()
             return row
+        if ctx.settings.quick and w.engine == "minimind compiled" and w.batch > 1 and w.weights != "fp32":
+            row.skipped = ("quick mode compiles the batched step in fp32 only (8-20 s a graph); the 16-bit and "
+                           "int8 ones are their batch-1 graphs at another batch size")
+            return row
         model = ctx.minimind(w.weights)
         if w.kind == "decode":
             row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
