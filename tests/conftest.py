@@ -68,6 +68,15 @@ def model_dir(path, std=None, with_tokenizer=True, **overrides):
     return model
 
 
+def decode_uncompiled(monkeypatch):
+    """Every `CompiledDecoder` made from here on runs its loop uncompiled: for tests of the commands around it,
+    where each compilation would cost seconds (tests/test_decode.py covers the compiled step)."""
+    from minimind.decode import CompiledDecoder
+
+    init = CompiledDecoder.__init__
+    monkeypatch.setattr(CompiledDecoder, "__init__", lambda self, model, compile=True: init(self, model, False))
+
+
 def load_script(name):
     """A module object for scripts/<name>.py, so tests call its main(argv) in-process."""
     import importlib.util

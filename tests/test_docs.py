@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TOKENIZER_DIR, load_script, model_dir, tiny_model, torch_threads
+from conftest import ROOT, TOKENIZER_DIR, decode_uncompiled, load_script, model_dir, tiny_model, torch_threads
 
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "data", "README.md"),
         *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -240,11 +240,7 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
             "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
     elif name == "chat":  # interactive: one line on stdin, then end of input
-        from minimind.decode import CompiledDecoder
-
-        # The decode loop uncompiled: each compilation costs seconds, and tests/test_decode.py covers it.
-        init = CompiledDecoder.__init__
-        monkeypatch.setattr(CompiledDecoder, "__init__", lambda self, model, compile=True: init(self, model, False))
+        decode_uncompiled(monkeypatch)
         monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))
         main(list(argv))
         assert "MiniMind chat." in capfd.readouterr().out

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import TOKENIZER_DIR, load_script, model_dir, tiny_config, tiny_model
+from conftest import TOKENIZER_DIR, decode_uncompiled, load_script, model_dir, tiny_config, tiny_model
 from minimind import chat as engine
 from minimind import cli
 from minimind.decode import CompiledDecoder
@@ -35,8 +35,7 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True, compile_
     command, and compiling costs seconds each (tests/test_decode.py covers the compiled step)."""
     calls, paths = [], []
     if not compile_step:
-        init = CompiledDecoder.__init__
-        monkeypatch.setattr(CompiledDecoder, "__init__", lambda self, model, compile=True: init(self, model, False))
+        decode_uncompiled(monkeypatch)
     real_load = engine.load_model_and_tokenizer
     real_decoder_generate = CompiledDecoder.generate
 
