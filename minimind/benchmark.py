@@ -1088,7 +1088,7 @@ def _compiled_decode(model, ids, new, weights):
     """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses): the greedy
     decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
     `generate` at the same precision."""
-    from minimind.decode import CompiledDecoder
+    from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder
 
     decoder = CompiledDecoder(model)
 
@@ -1099,10 +1099,12 @@ def _compiled_decode(model, ids, new, weights):
     def describe(tokens):
         plain = _minimind_greedy(model, ids, new)
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
-        autotuned = decoder.inductor_settings(ids.shape[0])["max_autotune"]
-        return (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, prepacked "
-                f"weights{', autotuned GEMMs' if autotuned else ''}, "
-                f"compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
+        settings = decoder.inductor_settings(ids.shape[0])
+        products = ("unpacked one-row products" if settings["post_grad_custom_pre_pass"] else "prepacked weights") + (
+            ", autotuned GEMMs" if settings["max_autotune"] else "")
+        attention = ", grouped-query attention" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
+        return (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, {products}"
+                f"{attention}, compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
                 f"{shared} / {sum(map(len, plain))}")
 
     return decode, describe

@@ -9,12 +9,15 @@ B is the number of prompts, all of one length (a batch needs no padding): a chat
 
 Every graph is compiled with inductor's `freezing`: the weights become constants, so inductor can merge the
 projections that read the same input (q/k/v, gate/up) into one matrix product each (`cpp.enable_concat_linear`;
-fewer, larger products: bf16 137 -> 162 tok/s on the 64M model) and prepack them for oneDNN's kernels. 16-bit
-and int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds them faster
-(`max_autotune`: bf16 162 -> 193 tok/s, int8 weights 190 -> 301, at 30-50 s of compilation instead of 15).
-Every graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per op. Frozen
-weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved state dict
-is untouched.
+fewer, larger products: bf16 137 -> 162 tok/s on the 64M model) and prepack them for oneDNN's and MKL's
+kernels. 16-bit and int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds
+them faster (`max_autotune`: bf16 162 -> 193 tok/s, int8 weights 190 -> 301, at 30-50 s of compilation instead
+of 15); fp32 at batch 1 multiplies with MKL's plain product instead of the packed one (`RowTimesWeights`). Every
+graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per op. The steps attend
+through `grouped_query_sdpa`, which reads the KV cache without copying it per query head (batch 8, fp32: 306 ->
+398 tok/s), and after a graph's first call dynamo checks only the guards that tell this decoder's graphs apart.
+Frozen weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved state
+dict is untouched.
 
 `CompiledDecoder.generate` takes the subset of `model.generate`'s arguments the chat front ends use (greedy or
 temperature / top-k / top-p sampling through transformers' own logits warpers, eos, a streamer, stopping
@@ -25,17 +28,98 @@ anything it does not cover is refused with a ValueError.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import types
 import warnings
 
 import torch
-from transformers import (LogitsProcessorList, StaticCache, StoppingCriteriaList, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+import torch.nn.functional as F
+from transformers import (AttentionInterface, LogitsProcessorList, StaticCache, StoppingCriteriaList,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 CACHE_BUCKET = 256  # cache lengths are multiples of this: one compiled graph serves every reply in a bucket
 _decoder_ids = itertools.count()
+
+
+def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA that, for one query position, attends each key/value head once for all the query heads it serves.
+
+    transformers' SDPA kernel copies every key/value head `num_attention_heads / num_key_value_heads` times
+    whenever there is a mask (a static cache always has one) before attending: for a decode step that is a copy
+    of the whole cache per layer, larger than the attention itself. With one query position the G query heads
+    of a group are G rows against the same keys, so q [B, H, 1, Dh] is viewed as [B, K, G, Dh] and attends the
+    cache as it is (the mask [B, 1, 1, S] broadcasts over the rows). Anything else goes to transformers' kernel.
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or heads == kv_heads or dropout or (attention_mask is not None and attention_mask.shape[1] != 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)  # [B, K, G, Dh]
+    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # [B,K,G,Dh]
+    return out.view(batch, 1, heads, head_dim), None  # [B, 1, H, Dh], as transformers' kernels return it
+
+
+# transformers' own registries for custom kernels: the name selects the kernel and, as for "sdpa", SDPA's masks.
+GROUPED_QUERY_SDPA = "minimind_grouped_query_sdpa"
+AttentionInterface.register(GROUPED_QUERY_SDPA, grouped_query_sdpa)
+AttentionMaskInterface.register(GROUPED_QUERY_SDPA, sdpa_mask)
+
+
+class RowTimesWeights(CustomGraphPass):
+    """An inductor pass for fp32 steps of one row: each prepacked product (MKL's packed GEMM, which freezing puts
+    in for every fp32 linear) becomes a plain product of the row with the weight laid out [in, out] contiguous.
+
+    For one row MKL's plain product is the faster one (64M model, 2 threads: 93 against 87 tok/s, and the
+    [in, out] layout 3% more), for 8 rows the packed one (363 against 318). Packing cannot simply be switched off
+    per graph: inductor registers its packing patterns once per process, at the first frozen compile, and only
+    if `cpp.weight_prepack` is on then; a bf16 or int8 decoder built later would lose its packed kernels."""
+
+    def __call__(self, graph):
+        module = graph.owning_module
+        packed_linear = (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default)
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in packed_linear:
+                continue
+            row, _packed, weight, bias, _batch = node.args  # row [1, in], weight [out, in], a frozen constant
+            with graph.inserting_before(node):
+                # Inductor gives a one-row view the strides (0, 1); ATen's product copies such an input first
+                # (25 copies a token) because the stride reads as no leading dimension. (in, 1) is the same row.
+                row = self._with_leading_stride(graph, row)
+                weight_in_out = self._constant(graph, module, weight)  # [in, out]
+                product = (graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out)) if bias is None else
+                           graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out)))
+            product.meta.update(node.meta)
+            node.replace_all_uses_with(product)
+            graph.erase_node(node)
+        graph.eliminate_dead_code()  # the packed copies go with their last user
+
+    @staticmethod
+    def _with_leading_stride(graph, row):
+        value = row.meta["val"]
+        if value.stride(-1) != 1:  # not one run of memory: leave it to ATen
+            return row
+        strided = graph.call_function(torch.ops.aten.as_strided.default,
+                                      (row, list(value.shape), [value.shape[-1], 1]))
+        strided.meta["val"] = value.as_strided(value.shape, (value.shape[-1], 1))
+        return strided
+
+    @staticmethod
+    def _constant(graph, module, weight):
+        name = f"{weight.target}_in_out"
+        if not hasattr(module, name):
+            module.register_buffer(name, getattr(module, weight.target).t().contiguous())
+        node = graph.get_attr(name)
+        node.meta["val"] = weight.meta["val"].t().contiguous()
+        return node
+
+    def uuid(self):
+        return get_hash_for_files((__file__,))
 
 
 def cache_length(needed: int) -> int:
@@ -56,21 +140,25 @@ class CompiledDecoder:
         self._step = torch.compile(self._own_step(), fullgraph=True, dynamic=False) if compile else self._forward_one
         self._cache: StaticCache | None = None
         self._compiled_for: StaticCache | None = None
+        # The steps attend through grouped_query_sdpa where the model attends through SDPA (the prompt keeps the
+        # model's kernel); an eager or flash-attention model keeps its own.
+        attention = model.config._attn_implementation
+        self.step_attention = GROUPED_QUERY_SDPA if attention == "sdpa" else attention
 
     def inductor_settings(self, batch: int) -> dict:
         """Set around each call, not passed as compile options: inductor also reads `freezing` outside the
         options' scope, and with options alone the weights were not prepacked (81 against 107 tok/s, bf16)."""
         # cpp_wrapper: the compiled graph's launcher in C++ instead of Python, 5-10% per decoded token.
         # weight_prepack stays on for every dtype: inductor registers its prepacking patterns once per process,
-        # at the first frozen compile, and only if the flag is on then. (fp32 at batch 1 unpacked ran 98 against
-        # 90 tok/s, but a later bf16 or int8 decoder in the same process then lost its packed kernels: int8 131
-        # against 291.)
+        # at the first frozen compile, and only if the flag is on then (fp32 at batch 1 takes its products back
+        # out of the packed form: RowTimesWeights).
         # max_autotune: inductor's C++ GEMM template against ATen's; it only paid off for 16-bit activations
         # (fp32 at batch 1: 81 against 90).
         sixteen_bit = self.dtype != torch.float32
         return {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True,
                 "cpp.weight_prepack": True, "max_autotune": sixteen_bit,
                 "max_autotune_gemm_backends": "CPP,ATEN",
+                "post_grad_custom_pre_pass": RowTimesWeights() if self.dtype == torch.float32 and batch == 1 else None,
                 # autotuning reports every choice on stderr, which would land in the middle of a chat
                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
@@ -163,24 +251,48 @@ class CompiledDecoder:
             streamer.end()
         return ids
 
+    @contextlib.contextmanager
+    def _step_kernel(self):
+        """The model attends through `step_attention` for the duration of one step. The switch is the config's
+        attribute, which every layer reads; the kernels it switches between give the same results."""
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = self.step_attention
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+
     def _next_logits(self, token, position, cache):
-        if not self.compiled:
-            return self._forward_one(token, position, cache)
+        with self._step_kernel():
+            if not self.compiled:
+                return self._forward_one(token, position, cache)
+            return self._compiled_logits(token, position, cache)
+
+    def _compiled_logits(self, token, position, cache):
+        settings = torch._inductor.config.patch(self.inductor_settings(token.shape[0]))
         compiling = cache is not self._compiled_for  # a new cache length is a new graph
+        if not compiling:
+            # Dynamo checks its guards (every module attribute and tensor the step reads) before each call: about
+            # 0.4 ms a token on the 64M model. Between the steps of one reply nothing they check changes, so only
+            # the guards that tell this decoder's graphs apart run; a new cache runs them all (the branch below).
+            try:
+                with settings, torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._step(token, position, cache)
+            except RuntimeError as error:  # raised before the graph runs: an input none of the graphs was built for
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
         started = time.perf_counter()
         try:
-            with torch._inductor.config.patch(self.inductor_settings(token.shape[0])):
+            with settings:
                 logits = self._step(token, position, cache)
         except Exception as error:  # compilation runs on fake tensors: the cache is untouched
-            if not compiling:
-                raise
             warnings.warn(f"torch.compile could not build the decode step ({type(error).__name__}: {error}); "
                           "decoding without compilation from here on (minimind-chat --no-compile skips the try)")
             self.compiled = False
             return self._forward_one(token, position, cache)
-        if compiling:
-            self.compile_seconds += time.perf_counter() - started
-            self._compiled_for = cache
+        self.compile_seconds += time.perf_counter() - started
+        self._compiled_for = cache
         return logits
 
     @staticmethod

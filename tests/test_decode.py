@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from minimind.decode import CACHE_BUCKET, CompiledDecoder, cache_length
+from minimind.decode import CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, cache_length, grouped_query_sdpa
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
 NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
@@ -30,6 +30,47 @@ def model():
 def test_cache_lengths_round_up_to_the_bucket():
     assert [cache_length(n) for n in (1, CACHE_BUCKET, CACHE_BUCKET + 1)] == [CACHE_BUCKET, CACHE_BUCKET,
                                                                                 2 * CACHE_BUCKET]
+
+
+def test_grouped_query_sdpa_attends_the_cache_uncopied_and_equals_transformers_sdpa(model, monkeypatch):
+    """One query position: the same output as transformers' SDPA kernel (which copies each key/value head to every
+    query head it serves), without that copy; several positions go to transformers' kernel unchanged."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    layer = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    batch, length, heads, kv_heads, dim = 3, 11, 4, 2, 16
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
+    query = torch.randn(batch, heads, 1, dim, generator=generator)
+    mask = torch.rand(batch, 1, 1, length, generator=generator) > 0.3
+    mask[..., 0] = True
+    theirs, _ = sdpa.sdpa_attention_forward(layer, query, key, value, mask, scaling=dim ** -0.5)
+
+    def no_copies(*args):
+        raise AssertionError("the key/value heads were copied")
+
+    monkeypatch.setattr(sdpa, "repeat_kv", no_copies)
+    ours, weights = grouped_query_sdpa(layer, query, key, value, mask, scaling=dim ** -0.5)
+    assert ours.shape == theirs.shape == (batch, 1, heads, dim) and weights is None
+    assert (ours - theirs).abs().max().item() < 1e-6
+    with pytest.raises(AssertionError, match="copied"):  # two query positions: transformers' kernel, copy included
+        grouped_query_sdpa(layer, query.repeat(1, 1, 2, 1), key, value, mask.repeat(1, 1, 2, 1), scaling=0.25)
+
+
+def test_decode_steps_attend_through_the_grouped_kernel_and_leave_the_model_as_it_was(model, monkeypatch):
+    from transformers import AttentionInterface
+
+    calls = []
+    grouped = AttentionInterface._global_mapping[GROUPED_QUERY_SDPA]
+    monkeypatch.setitem(AttentionInterface._global_mapping, GROUPED_QUERY_SDPA,
+                        lambda *args, **kwargs: calls.append(args[1].shape) or grouped(*args, **kwargs))
+    out = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=5, **greedy())
+    assert torch.equal(out, reference(model, 5, **greedy()))
+    # the prompt runs through the model's own kernel, each of the 4 steps through the grouped one in every layer
+    assert calls == [(1, model.config.num_attention_heads, 1, model.config.head_dim)] * (4 * model.config.num_hidden_layers)
+    assert model.config._attn_implementation == "sdpa"
+    eager = tiny_model(std=0.3, attn_implementation="eager")
+    assert CompiledDecoder(eager, compile=False).step_attention == "eager"  # a model's own non-SDPA kernel stays
 
 
 def test_eager_loop_gives_generates_greedy_tokens(model):
@@ -192,6 +233,26 @@ def test_compiled_bf16_with_frozen_weights_decodes_greedily():
         assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two bf16 steps at these logits' size
 
 
+class RecordProducts:
+    """An inductor post-grad pass that records the matrix products of each graph it sees."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+        products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.mkl._mkl_linear,
+                    torch.ops.mkl._mkl_linear.default)
+        graphs = self.graphs = []
+
+        class Record(CustomGraphPass):
+            def __call__(self, graph):
+                graphs.append([str(node.target) for node in graph.nodes if node.target in products])
+
+            def uuid(self):
+                return get_hash_for_files((__file__,))
+
+        self.graph_pass = Record()
+
+
 @pytest.mark.slow
 def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own():
     """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
@@ -200,37 +261,62 @@ def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own()
     import gc
     import weakref
 
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class CountMatmuls(CustomGraphPass):
-        counts = []
-
-        def __call__(self, graph):  # after freezing, fp32 products are MKL's packed linear
-            products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.mkl._mkl_linear,
-                        torch.ops.mkl._mkl_linear.default)
-            self.counts.append(sum(node.target in products for node in graph.nodes))
-
-        def uuid(self):
-            return get_hash_for_files((__file__,))
-
     model = tiny_model(std=0.3)
     layers = model.config.num_hidden_layers
     decoders = []
     with torch._dynamo.config.patch(recompile_limit=1):
         for merged, expected in ((True, 4 * layers + 1), (False, 7 * layers + 1)):
-            CountMatmuls.counts = []
+            record = RecordProducts()
             decoder = CompiledDecoder(model)
             settings = decoder.inductor_settings(1) | {"cpp.enable_concat_linear": merged}
             decoder.inductor_settings = lambda batch, settings=settings: settings
-            with torch._inductor.config.patch(post_grad_custom_post_pass=CountMatmuls(), fx_graph_cache=False):
+            with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
                 out = decoder.generate(PROMPT, max_new_tokens=3, **greedy())
-            assert decoder.compiled and CountMatmuls.counts == [expected]
+            assert decoder.compiled and [len(products) for products in record.graphs] == [expected]
             assert torch.equal(out, reference(model, 3, **greedy()))
             decoders.append(decoder)
     alive = weakref.ref(model)
     del model, decoder, decoders
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.slow
+def test_fp32_single_row_steps_multiply_unpacked_weights_without_copying_the_row(model):
+    """fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step copies nothing;
+    a batch keeps the packed products. Tokens are generate's either way."""
+    from torch.profiler import profile
+
+    record = RecordProducts()
+    decoder = CompiledDecoder(model)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
+        out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
+        batched = decoder.generate(BATCH, max_new_tokens=6, **greedy())
+    assert torch.equal(out, reference(model, 6, **greedy()))
+    assert torch.equal(batched, batch_reference(model, 6, pad_token_id=0, **greedy()))
+    layers = model.config.num_hidden_layers
+    single, batch = record.graphs
+    assert single == ["aten.mm.default"] * (4 * layers + 1)
+    assert batch == ["mkl._mkl_linear"] * (4 * layers + 1)
+    # Inductor's one-row views have strides (0, 1), which ATen's product copies before multiplying; the pass
+    # restrides them, so a step runs without a single copy.
+    cache = decoder._fresh_cache(1, PROMPT.shape[1] + 6)
+    decoder.generate(PROMPT, max_new_tokens=2, **greedy())
+    position = torch.tensor([PROMPT.shape[1] + 1])
+    state = [tensor.clone() for layer in cache.layers for tensor in (layer.keys, layer.values, layer.cumulative_length)]
+    with profile() as trace, torch.no_grad():
+        logits = decoder._next_logits(torch.tensor([[5]]), position, cache)
+    assert decoder._compiled_for is cache
+    assert [event.name for event in trace.events() if event.name == "aten::clone"] == []
+    # Between steps only the guards that tell graphs apart run; an input no graph was built for (a token with
+    # other strides) is caught and compiled for, instead of failing the reply.
+    strided = torch.tensor([[4, 5]])[:, 1:]
+    assert strided.stride() != (1, 1)
+    for tensor, saved in zip([t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)],
+                             state):
+        tensor.copy_(saved)
+    with torch.no_grad():
+        assert torch.equal(decoder._next_logits(strided, position, cache), logits) and decoder.compiled
 
 
 def test_int8_weights_quantize_every_decoder_projection_per_row():
