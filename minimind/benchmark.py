@@ -1084,11 +1084,14 @@ def measure_peer(w, ctx):
     return row
 
 
+FP32_PRODUCTS = {"plain": "unpacked one-row products", "mkl": "MKL-packed weights", "onednn": "oneDNN-packed weights"}
+
+
 def _compiled_decode(model, ids, new, weights):
     """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses): the greedy
     decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
     `generate` at the same precision."""
-    from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder
+    from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, fp32_product_kernel
 
     decoder = CompiledDecoder(model)
 
@@ -1100,9 +1103,10 @@ def _compiled_decode(model, ids, new, weights):
         plain = _minimind_greedy(model, ids, new)
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
         settings = decoder.inductor_settings(ids.shape[0])
-        products = ("unpacked one-row products" if settings["post_grad_custom_pre_pass"] else "prepacked weights") + (
-            ", autotuned GEMMs" if settings["max_autotune"] else "")
-        attention = ", grouped-query attention" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
+        products = (FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])] if decoder.dtype == torch.float32
+                    else "prepacked weights") + (", autotuned GEMMs" if settings["max_autotune"] else "")
+        attention = (", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA
+                     else "")
         return (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, {products}"
                 f"{attention}, compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
                 f"{shared} / {sum(map(len, plain))}")

@@ -12,10 +12,12 @@ projections that read the same input (q/k/v, gate/up) into one matrix product ea
 fewer, larger products: bf16 137 -> 162 tok/s on the 64M model) and prepack them for oneDNN's and MKL's
 kernels. 16-bit and int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds
 them faster (`max_autotune`: bf16 162 -> 193 tok/s, int8 weights 190 -> 301, at 30-50 s of compilation instead
-of 15); fp32 at batch 1 multiplies with MKL's plain product instead of the packed one (`RowTimesWeights`). Every
-graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per op. The steps attend
-through `grouped_query_sdpa`, which reads the KV cache without copying it per query head (batch 8, fp32: 306 ->
-398 tok/s), and after a graph's first call dynamo checks only the guards that tell this decoder's graphs apart.
+of 15); fp32 picks its product kernel by the number of rows (`Fp32Products`: MKL's plain product for one row,
+oneDNN's packed one from four). Every graph gets inductor's C++ wrapper, which calls its kernels without a Python
+frame per op. The steps attend through `grouped_query_sdpa`, which reads the KV cache without copying it per
+query head (batch 8, fp32: 306 -> 398 tok/s) and only as far as it has been written (batch 8: fp32 441 -> 486,
+bf16 982 -> 1238), and after a graph's first call dynamo checks only the guards that tell this decoder's graphs
+apart.
 Frozen weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved state
 dict is untouched.
 
@@ -53,7 +55,8 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     whenever there is a mask (a static cache always has one) before attending: for a decode step that is a copy
     of the whole cache per layer, larger than the attention itself. With one query position the G query heads
     of a group are G rows against the same keys, so q [B, H, 1, Dh] is viewed as [B, K, G, Dh] and attends the
-    cache as it is (the mask [B, 1, 1, S] broadcasts over the rows). Anything else goes to transformers' kernel.
+    cache as it is (the mask [B, 1, 1, S] broadcasts over the rows), up to the last position a row sees (a bool
+    mask; `_filled_length`). Anything else goes to transformers' kernel.
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -61,8 +64,29 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)  # [B, K, G, Dh]
+    if attention_mask is not None and attention_mask.dtype == torch.bool and _may_read_scalars():
+        filled = _filled_length(attention_mask)
+        key, value, attention_mask = key[:, :, :filled], value[:, :, :filled], attention_mask[..., :filled]
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # [B,K,G,Dh]
     return out.view(batch, 1, heads, head_dim), None  # [B, 1, H, Dh], as transformers' kernels return it
+
+
+def _filled_length(mask):
+    """One past the last cache position any row sees (mask: bool [B, 1, 1, S]). A static cache is longer than what
+    has been written, up to a whole `CACHE_BUCKET` ahead, and attending only up to here leaves the unwritten keys
+    and values unread (64M model, batch 8, decoders side by side: fp32 441 -> 486 tok/s, bf16 982 -> 1238). The
+    length is data: a compiled step reads it as a scalar, so one graph serves every step of a bucket."""
+    seen = mask.reshape(-1, mask.shape[-1]).any(dim=0)  # [S]
+    filled = (seen.shape[0] - seen.flip(0).to(torch.uint8).argmax()).item()  # all False: the whole cache
+    torch._check(filled >= 1)
+    torch._check(filled <= seen.shape[0])
+    return filled
+
+
+def _may_read_scalars():
+    """Eagerly always; in a graph being compiled only if dynamo keeps a tensor's `.item()` in the graph (which
+    `CompiledDecoder` turns on) rather than breaking it there."""
+    return not torch.compiler.is_compiling() or torch._dynamo.config.capture_scalar_outputs
 
 
 # transformers' own registries for custom kernels: the name selects the kernel and, as for "sdpa", SDPA's masks.
@@ -71,14 +95,27 @@ AttentionInterface.register(GROUPED_QUERY_SDPA, grouped_query_sdpa)
 AttentionMaskInterface.register(GROUPED_QUERY_SDPA, sdpa_mask)
 
 
-class RowTimesWeights(CustomGraphPass):
-    """An inductor pass for fp32 steps of one row: each prepacked product (MKL's packed GEMM, which freezing puts
-    in for every fp32 linear) becomes a plain product of the row with the weight laid out [in, out] contiguous.
+ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's packed kernel
 
-    For one row MKL's plain product is the faster one (64M model, 2 threads, with the row restrided as below:
-    103 against 88 tok/s), for 8 rows the packed one (396 against 366). Packing cannot simply be switched off
-    per graph: inductor registers its packing patterns once per process, at the first frozen compile, and only
-    if `cpp.weight_prepack` is on then; a bf16 or int8 decoder built later would lose its packed kernels."""
+
+def fp32_product_kernel(rows: int) -> str:
+    """The kernel a compiled fp32 step multiplies `rows` rows by a frozen weight with (`Fp32Products`)."""
+    if rows == 1:
+        return "plain"
+    return "onednn" if rows >= ONEDNN_MIN_ROWS else "mkl"
+
+
+class Fp32Products(CustomGraphPass):
+    """An inductor pass for fp32 steps: each prepacked product (MKL's packed GEMM, which freezing puts in for every
+    fp32 linear) gets the kernel that was fastest for its number of rows on the 64M model, 2 threads, decoders side
+    by side in one process (tok/s):
+    - one row: MKL's plain product with the weight laid out [in, out] contiguous (103 against 88 packed);
+    - two or three rows: MKL's packed product stays (batch 2: 171 against 163 for oneDNN's);
+    - four rows or more: oneDNN's packed product, as 16-bit weights get (batch 8: 504 against 469; batch 4 even,
+      batch 16 808 against 792).
+    Packing cannot simply be switched off per graph: inductor registers its packing patterns once per process, at
+    the first frozen compile, and only if `cpp.weight_prepack` is on then; a bf16 or int8 decoder built later
+    would lose its packed kernels."""
 
     def __call__(self, graph):
         module = graph.owning_module
@@ -86,18 +123,31 @@ class RowTimesWeights(CustomGraphPass):
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in packed_linear:
                 continue
-            row, _packed, weight, bias, _batch = node.args  # row [1, in], weight [out, in], a frozen constant
+            inputs, _packed, weight, bias, _batch = node.args  # inputs [N, in], weight [out, in], a frozen constant
+            rows = inputs.meta["val"].shape[0]
+            kernel = fp32_product_kernel(rows)
+            if kernel == "mkl":
+                continue
             with graph.inserting_before(node):
-                # Inductor gives a one-row view the strides (0, 1); ATen's product copies such an input first
-                # (25 copies a token) because the stride reads as no leading dimension. (in, 1) is the same row.
-                row = self._with_leading_stride(graph, row)
-                weight_in_out = self._constant(graph, module, weight)  # [in, out]
-                product = (graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out)) if bias is None else
-                           graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out)))
+                if kernel == "plain":
+                    # Inductor gives a one-row view the strides (0, 1); ATen's product copies such an input first
+                    # (25 copies a token) because the stride reads as no leading dimension. (in, 1) is the same row.
+                    row = self._with_leading_stride(graph, inputs)
+                    weight_in_out = self._constant(graph, module, weight, "in_out", lambda w: w.t().contiguous(),
+                                                   weight.meta["val"].t().contiguous())  # [in, out]
+                    product = (graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out)) if bias is None
+                               else graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out)))
+                else:
+                    # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
+                    packed = self._constant(graph, module, weight, f"onednn_{rows}",
+                                            lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
+                                            weight.meta["val"])
+                    product = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
+                                                  (inputs, packed, bias, "none", [], ""))
             product.meta.update(node.meta)
             node.replace_all_uses_with(product)
             graph.erase_node(node)
-        graph.eliminate_dead_code()  # the packed copies go with their last user
+        graph.eliminate_dead_code()  # the MKL-packed copies go with their last user
 
     @staticmethod
     def _with_leading_stride(graph, row):
@@ -110,12 +160,13 @@ class RowTimesWeights(CustomGraphPass):
         return strided
 
     @staticmethod
-    def _constant(graph, module, weight):
-        name = f"{weight.target}_in_out"
+    def _constant(graph, module, weight, suffix, relaid, meta_value):
+        """A frozen constant holding `relaid(weight)`, lowered by inductor as `meta_value` describes it."""
+        name = f"{weight.target}_{suffix}"
         if not hasattr(module, name):
-            module.register_buffer(name, getattr(module, weight.target).t().contiguous())
+            module.register_buffer(name, relaid(getattr(module, weight.target)))
         node = graph.get_attr(name)
-        node.meta["val"] = weight.meta["val"].t().contiguous()
+        node.meta["val"] = meta_value
         return node
 
     def uuid(self):
@@ -150,15 +201,15 @@ class CompiledDecoder:
         options' scope, and with options alone the weights were not prepacked (81 against 107 tok/s, bf16)."""
         # cpp_wrapper: the compiled graph's launcher in C++ instead of Python, 5-10% per decoded token.
         # weight_prepack stays on for every dtype: inductor registers its prepacking patterns once per process,
-        # at the first frozen compile, and only if the flag is on then (fp32 at batch 1 takes its products back
-        # out of the packed form: RowTimesWeights).
+        # at the first frozen compile, and only if the flag is on then (fp32 takes the products it multiplies
+        # better otherwise back out of MKL's packed form: Fp32Products).
         # max_autotune: inductor's C++ GEMM template against ATen's; it only paid off for 16-bit activations
         # (fp32 at batch 1: 81 against 90).
         sixteen_bit = self.dtype != torch.float32
         return {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True,
                 "cpp.weight_prepack": True, "max_autotune": sixteen_bit,
                 "max_autotune_gemm_backends": "CPP,ATEN",
-                "post_grad_custom_pre_pass": RowTimesWeights() if self.dtype == torch.float32 and batch == 1 else None,
+                "post_grad_custom_pre_pass": Fp32Products() if self.dtype == torch.float32 else None,
                 # autotuning reports every choice on stderr, which would land in the middle of a chat
                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
@@ -269,22 +320,29 @@ class CompiledDecoder:
                 return self._forward_one(token, position, cache)
             return self._compiled_logits(token, position, cache)
 
+    @contextlib.contextmanager
+    def _compile_settings(self, batch):
+        # capture_scalar_outputs: the steps' attention reads how much of the cache is filled (_filled_length)
+        with torch._inductor.config.patch(self.inductor_settings(batch)), \
+                torch._dynamo.config.patch(capture_scalar_outputs=True):
+            yield
+
     def _compiled_logits(self, token, position, cache):
-        settings = torch._inductor.config.patch(self.inductor_settings(token.shape[0]))
+        batch = token.shape[0]
         compiling = cache is not self._compiled_for  # a new cache length is a new graph
         if not compiling:
             # Dynamo checks its guards (every module attribute and tensor the step reads) before each call: about
             # 0.4 ms a token on the 64M model. Between the steps of one reply nothing they check changes, so only
             # the guards that tell this decoder's graphs apart run; a new cache runs them all (the branch below).
             try:
-                with settings, torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                with self._compile_settings(batch), torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                     return self._step(token, position, cache)
             except RuntimeError as error:  # raised before the graph runs: an input none of the graphs was built for
                 if "skip_guard_eval_unsafe" not in str(error):
                     raise
         started = time.perf_counter()
         try:
-            with settings:
+            with self._compile_settings(batch):
                 logits = self._step(token, position, cache)
         except Exception as error:  # compilation runs on fake tensors: the cache is untouched
             warnings.warn(f"torch.compile could not build the decode step ({type(error).__name__}: {error}); "

@@ -79,7 +79,8 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     assert decode["peers-decode-b8-minimind-fp32"]["greedy tokens = MiniMind fp32"] == "64 / 64"
     assert decode["peers-decode-b8-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "64 / 64"
     batched = report.row("peers-decode-b8-minimind-compiled-fp32").note
-    assert "with freezing, merged projections, prepacked weights, grouped-query attention, compiled in" in batched
+    assert ("with freezing, merged projections, oneDNN-packed weights, grouped-query attention over the written "
+            "cache, compiled in" in batched)
     assert batched.endswith("greedy tokens = plain fp32 generate: 64 / 64")
     # The compiled fp32 path gives generate's tokens; each compiled row says how many it shares with plain
     # generate at its own precision and how long compilation took.
@@ -87,15 +88,16 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith("greedy tokens = plain fp32 generate: 8 / 8")
     bf16 = report.row("peers-decode-minimind-compiled-bf16")
     assert ("torch.compile with freezing, merged projections, prepacked weights, autotuned GEMMs, grouped-query "
-            "attention, compiled in" in bf16.note)
+            "attention over the written cache, compiled in" in bf16.note)
     assert bf16.note.endswith(" / 8")
-    assert ("torch.compile with freezing, merged projections, unpacked one-row products, grouped-query attention, "
-            "compiled in" in report.row("peers-decode-minimind-compiled-fp32").note)
+    assert ("torch.compile with freezing, merged projections, unpacked one-row products, grouped-query attention "
+            "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note)
     int8 = report.row("peers-decode-minimind-compiled-int8")
     if int8_missing():
         assert int8.skipped == int8_missing()
     else:  # the 8-bit path: prepacked and autotuned like bf16, checked against the same model under generate
-        assert "merged projections, prepacked weights, autotuned GEMMs, grouped-query attention, compiled in" in int8.note
+        assert ("merged projections, prepacked weights, autotuned GEMMs, grouped-query attention over the written "
+                "cache, compiled in" in int8.note)
         assert int8.note.endswith(" / 8") and "greedy tokens = plain int8 generate: " in int8.note
     if not llama_cpp_missing():
         measured = {r.workload.row_id: r.tokens_per_second for r in report.rows if not r.skipped}

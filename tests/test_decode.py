@@ -6,7 +6,8 @@ import torch
 from conftest import tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from minimind.decode import CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, cache_length, grouped_query_sdpa
+from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, cache_length, fp32_product_kernel,
+                             grouped_query_sdpa)
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
 NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
@@ -55,6 +56,29 @@ def test_grouped_query_sdpa_attends_the_cache_uncopied_and_equals_transformers_s
     assert (ours - theirs).abs().max().item() < 1e-6
     with pytest.raises(AssertionError, match="copied"):  # two query positions: transformers' kernel, copy included
         grouped_query_sdpa(layer, query.repeat(1, 1, 2, 1), key, value, mask.repeat(1, 1, 2, 1), scaling=0.25)
+
+
+def test_grouped_query_sdpa_reads_the_cache_only_up_to_the_last_position_a_row_sees(model):
+    """A static cache is longer than what has been written. Poisoned with NaN past the last position any row sees,
+    transformers' kernel returns NaN (a masked value still enters the weighted sum as 0 x NaN); the grouped one
+    equals transformers' on the clean cache."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    layer = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(1)
+    batch, length, filled, heads, kv_heads, dim = 2, 16, 9, 4, 2, 8
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
+    query = torch.randn(batch, heads, 1, dim, generator=generator)
+    mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
+    mask[0, ..., :filled - 2] = True
+    mask[1, ..., 3:filled] = True  # the rows end at different places: the longer one decides
+    clean, _ = sdpa.sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    for tensor in (key, value):
+        tensor[:, :, filled:] = float("nan")
+    poisoned, _ = sdpa.sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
+    assert poisoned.isnan().all()
+    ours, _ = grouped_query_sdpa(layer, query, key, value, mask, scaling=0.3)
+    assert (ours - clean).abs().max().item() < 1e-6
 
 
 def test_decode_steps_attend_through_the_grouped_kernel_and_leave_the_model_as_it_was(model, monkeypatch):
@@ -114,9 +138,9 @@ def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
 BATCH = torch.tensor([[5, 17, 3, 42, 8, 11, 29], [9, 9, 1, 2, 60, 7, 7], [33, 4, 4, 81, 12, 5, 70]])
 
 
-def batch_reference(model, new, **kwargs):
+def batch_reference(model, new, batch=BATCH, **kwargs):
     with torch.no_grad():
-        return model.generate(BATCH, attention_mask=torch.ones_like(BATCH), max_new_tokens=new, **kwargs)
+        return model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new, **kwargs)
 
 
 def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
@@ -190,8 +214,25 @@ def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(
 
 
 @pytest.mark.slow
-def test_compiled_fp32_equals_generate_and_reuses_its_graph(model):
+def poison_unwritten_positions(decoder, monkeypatch):
+    """Before each step, NaN in every cache position past the one the step writes: a step that read any of them
+    would turn its logits to NaN."""
+    step = decoder._next_logits
+
+    def poisoned(token, position, cache):
+        for layer in cache.layers:
+            layer.keys[:, :, position.item() + 1:] = float("nan")
+            layer.values[:, :, position.item() + 1:] = float("nan")
+        return step(token, position, cache)
+
+    monkeypatch.setattr(decoder, "_next_logits", poisoned)
+
+
+def test_compiled_fp32_equals_generate_and_reuses_its_graph(model, monkeypatch):
+    """Also: one graph serves every step of a bucket although each step attends a different length of the cache,
+    and no step reads past the positions written."""
     decoder = CompiledDecoder(model)
+    poison_unwritten_positions(decoder, monkeypatch)
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
     assert decoder.inductor_settings(1)["max_autotune"] is False  # autotuning only paid off for 16-bit
     out = decoder.generate(PROMPT, max_new_tokens=40, **greedy())
@@ -240,7 +281,7 @@ class RecordProducts:
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
         products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.mkl._mkl_linear,
-                    torch.ops.mkl._mkl_linear.default)
+                    torch.ops.mkl._mkl_linear.default, torch.ops.mkldnn._linear_pointwise.default)
         graphs = self.graphs = []
 
         class Record(CustomGraphPass):
@@ -281,23 +322,29 @@ def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own()
     assert alive() is None
 
 
+def test_fp32_products_take_the_kernel_measured_fastest_for_their_rows():
+    assert [fp32_product_kernel(rows) for rows in (1, 2, 3, 4, 8, 16)] == ["plain", "mkl", "mkl", "onednn", "onednn",
+                                                                           "onednn"]
+
+
 @pytest.mark.slow
-def test_fp32_single_row_steps_multiply_unpacked_weights_without_copying_the_row(model):
+def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model):
     """fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step copies nothing;
-    a batch keeps the packed products. Tokens are generate's either way."""
+    at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
     from torch.profiler import profile
 
     record = RecordProducts()
     decoder = CompiledDecoder(model)
+    four = torch.cat([BATCH, PROMPT])
     with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
         out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
-        batched = decoder.generate(BATCH, max_new_tokens=6, **greedy())
+        batched = decoder.generate(four, max_new_tokens=6, **greedy())
     assert torch.equal(out, reference(model, 6, **greedy()))
-    assert torch.equal(batched, batch_reference(model, 6, pad_token_id=0, **greedy()))
+    assert torch.equal(batched, batch_reference(model, 6, batch=four, pad_token_id=0, **greedy()))
     layers = model.config.num_hidden_layers
     single, batch = record.graphs
     assert single == ["aten.mm.default"] * (4 * layers + 1)
-    assert batch == ["mkl._mkl_linear"] * (4 * layers + 1)
+    assert batch == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
     # Inductor's one-row views have strides (0, 1), which ATen's product copies before multiplying; the pass
     # restrides them, so a step runs without a single copy.
     cache = decoder._fresh_cache(1, PROMPT.shape[1] + 6)
