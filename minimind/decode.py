@@ -44,7 +44,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-CACHE_BUCKET = 256  # cache lengths are multiples of this: one compiled graph serves every reply in a bucket
+# Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
+# only when its context grows past the next multiple. The steps attend only the written part of the cache, which
+# makes a long bucket free (64M model, 1024 against 256: batch 1 fp32 111 against 111 tok/s, bf16 206 against 204;
+# batch 8 fp32 489 against 502) but for its memory: 25 MB of fp32 keys and values per row of a batch.
+CACHE_BUCKET = 1024
 _decoder_ids = itertools.count()
 
 
