@@ -68,7 +68,7 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)  # [B, K, G, Dh]
-    if attention_mask is not None and attention_mask.dtype == torch.bool and _may_read_scalars():
+    if _attends_written_part(attention_mask):
         filled = _filled_length(attention_mask)
         key, value, attention_mask = key[:, :, :filled], value[:, :, :filled], attention_mask[..., :filled]
     out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # [B,K,G,Dh]
@@ -87,9 +87,13 @@ def _filled_length(mask):
     return filled
 
 
-def _may_read_scalars():
-    """Eagerly always; in a graph being compiled only if dynamo keeps a tensor's `.item()` in the graph (which
+def _attends_written_part(mask) -> bool:
+    """Whether the grouped kernel cuts the cache at `_filled_length`: for a bool mask on the CPU (on a GPU reading
+    the length would stop the host for the device in every layer, and nothing was measured there), eagerly
+    always, and in a graph being compiled only if dynamo keeps a tensor's `.item()` in the graph (which
     `CompiledDecoder` turns on) rather than breaking it there."""
+    if mask is None or mask.dtype != torch.bool or mask.device.type != "cpu":
+        return False
     return not torch.compiler.is_compiling() or torch._dynamo.config.capture_scalar_outputs
 
 

@@ -6,8 +6,8 @@ import torch
 from conftest import tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, cache_length, fp32_product_kernel,
-                             grouped_query_sdpa)
+from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, _attends_written_part, cache_length,
+                             fp32_product_kernel, grouped_query_sdpa)
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
 NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
@@ -79,6 +79,9 @@ def test_grouped_query_sdpa_reads_the_cache_only_up_to_the_last_position_a_row_s
     assert poisoned.isnan().all()
     ours, _ = grouped_query_sdpa(layer, query, key, value, mask, scaling=0.3)
     assert (ours - clean).abs().max().item() < 1e-6
+    # Only a bool mask on the CPU: elsewhere the length would cost a device sync per layer.
+    assert _attends_written_part(mask) and not _attends_written_part(mask.float())
+    assert not _attends_written_part(mask.to("meta")) and not _attends_written_part(None)
 
 
 def test_decode_steps_attend_through_the_grouped_kernel_and_leave_the_model_as_it_was(model, monkeypatch):
