@@ -216,21 +216,22 @@ def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(
     assert torch.equal(out, CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=12, **greedy()))
 
 
-@pytest.mark.slow
 def poison_unwritten_positions(decoder, monkeypatch):
     """Before each step, NaN in every cache position past the one the step writes: a step that read any of them
     would turn its logits to NaN."""
     step = decoder._next_logits
 
     def poisoned(token, position, cache):
+        unwritten = position.item() + 1
         for layer in cache.layers:
-            layer.keys[:, :, position.item() + 1:] = float("nan")
-            layer.values[:, :, position.item() + 1:] = float("nan")
+            layer.keys[:, :, unwritten:] = float("nan")
+            layer.values[:, :, unwritten:] = float("nan")
         return step(token, position, cache)
 
     monkeypatch.setattr(decoder, "_next_logits", poisoned)
 
 
+@pytest.mark.slow
 def test_compiled_fp32_equals_generate_and_reuses_its_graph(model, monkeypatch):
     """Also: one graph serves every step of a bucket although each step attends a different length of the cache,
     and no step reads past the positions written."""
@@ -353,7 +354,8 @@ def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_w
     cache = decoder._fresh_cache(1, PROMPT.shape[1] + 6)
     decoder.generate(PROMPT, max_new_tokens=2, **greedy())
     position = torch.tensor([PROMPT.shape[1] + 1])
-    state = [tensor.clone() for layer in cache.layers for tensor in (layer.keys, layer.values, layer.cumulative_length)]
+    cache_tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values, layer.cumulative_length)]
+    state = [tensor.clone() for tensor in cache_tensors]
     with profile() as trace, torch.no_grad():
         logits = decoder._next_logits(torch.tensor([[5]]), position, cache)
     assert decoder._compiled_for is cache
@@ -362,8 +364,7 @@ def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_w
     # other strides) is caught and compiled for, instead of failing the reply.
     strided = torch.tensor([[4, 5]])[:, 1:]
     assert strided.stride() != (1, 1)
-    for tensor, saved in zip([t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)],
-                             state):
+    for tensor, saved in zip(cache_tensors, state):
         tensor.copy_(saved)
     with torch.no_grad():
         assert torch.equal(decoder._next_logits(strided, position, cache), logits) and decoder.compiled
