@@ -730,6 +730,8 @@ def peer_workloads():
                                                                                 "padded-compiled")]
     rows += [PeerWorkload(f"peers-serve-{n}-clients{'' if w == 'fp32' else '-' + w}", "serve", "minimind server", w)
              for w in PEER_MINIMIND for n in (1, 8)]
+    rows += [PeerWorkload(f"peers-serve-{n}-clients-compiled", "serve", "minimind server compiled", "fp32")
+             for n in (1, 8)]
     return rows
 
 
@@ -976,7 +978,7 @@ class PeerContext:
         # The batched rows' prompts: as long as the peer prompt, so that no row is padded.
         self.batch_prompts = torch.randint(3, self.config.vocab_size, (PEER_BATCH, len(self.prompt_ids)),
                                            generator=generator).tolist()
-        self._models, self._ggufs, self._references = {}, {}, {}
+        self._models, self._ggufs, self._references, self._servers = {}, {}, {}, {}
 
     def minimind(self, weights):
         if weights not in self._models:
@@ -989,6 +991,28 @@ class PeerContext:
                 quantize_weights_int8(model)
             self._models[weights] = model
         return self._models[weights]
+
+    def server(self, weights, engine):
+        """The serving `Generator` for these weights and engine, shared by its rows (a compiled engine compiles
+        its steps once, before its first row)."""
+        if (weights, engine) not in self._servers:
+            from minimind.chat import load_model_and_tokenizer
+            from minimind.serving import Generator, ServerLimits
+
+            model, tokenizer = load_model_and_tokenizer(self.model_dir, "cpu",
+                                                        {"fp32": "float32", "bf16": "bfloat16"}[weights])
+            new = self.sizes["serve_tokens"]
+            # The paged engine sizes its KV cache for max_context x sequences: the model's own 32k context would
+            # ask for gigabytes; the prompts here need a few hundred positions.
+            # quick: the compiled engine's steps run eagerly (its graphs are tested against generate elsewhere)
+            generator = Generator(model, tokenizer, "peers", engine=engine, compile=not self.settings.quick,
+                                  limits=ServerLimits(max_context=256, max_tokens=new, default_max_tokens=new,
+                                                      max_concurrent_requests=8, max_batch=8))
+            if engine == "compiled" and not self.settings.quick:
+                self.log(f"serve {weights} compiled: steps compiled for batches {generator.engine.batch_sizes} in "
+                         f"{generator.engine.warm_up():.0f} s")
+            self._servers[weights, engine] = generator
+        return self._servers[weights, engine]
 
     def gguf(self, outtype):
         from minimind.export import export_gguf
@@ -1183,16 +1207,15 @@ def serving_missing():
     return ""
 
 
-def _stream_completion(url, prompt, max_tokens):
-    """One streaming greedy completion; the completion tokens the server's usage chunk reports."""
+def _stream_completion(http, prompt, max_tokens):
+    """One streaming greedy completion through `http` (an httpx.Client on the server); the completion tokens the
+    server's usage chunk reports."""
     import json
-
-    import httpx
 
     body = {"model": "peers", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     usage = None
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+    with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -1201,8 +1224,9 @@ def _stream_completion(url, prompt, max_tokens):
 
 
 def measure_serve(w, ctx):
-    """The OpenAI-compatible server (continuous batching) on loopback: N clients each streaming the same number
-    of greedy completions one after another; total completion tokens per second of wall time."""
+    """The OpenAI-compatible server on loopback: N clients each streaming the same number of greedy completions
+    one after another; total completion tokens per second of wall time. "minimind server" is the default engine
+    (transformers' continuous batching), "minimind server compiled" is `--engine compiled`."""
     from concurrent.futures import ThreadPoolExecutor
 
     clients = int(w.row_id.split("-")[2])
@@ -1212,27 +1236,30 @@ def measure_serve(w, ctx):
     if missing:
         row.skipped = missing
         return row
-    from minimind.chat import load_model_and_tokenizer
-    from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
+    from minimind.serving import create_app, serve_in_thread
 
-    model, tokenizer = load_model_and_tokenizer(ctx.model_dir, "cpu", {"fp32": "float32", "bf16": "bfloat16"}[w.weights])
-    # The batching engine sizes its paged KV cache for max_context x sequences: the model's own 32k context
-    # would ask for gigabytes; the prompts here need a few hundred positions.
-    generator = Generator(model, tokenizer, "peers", limits=ServerLimits(
-        max_context=256, max_tokens=new, default_max_tokens=new, max_concurrent_requests=8))
+    engine = "compiled" if w.engine.endswith("compiled") else "paged"
+    generator = ctx.server(w.weights, engine)
+
+    import httpx
 
     def client(index):
-        return sum(_stream_completion(url, f"{PEER_PROMPT} ({index}, {k})", new) for k in range(per_client))
+        return sum(_stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new) for k in range(per_client))
 
     with serve_in_thread(create_app(generator)) as url:
-        _stream_completion(url, PEER_PROMPT, new)  # warm-up: the manager's first step, the first pages
+        # Each client keeps one client object and its connection, as the openai client does: building one per
+        # request (its TLS context included) takes about 18 ms of the 2 cores the server runs on.
+        https = [httpx.Client(base_url=url, timeout=600) for _ in range(clients)]
+        _stream_completion(https[0], PEER_PROMPT, new)  # warm-up: the first step, the first pages
         start = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
             counts = list(pool.map(client, range(clients)))
         row.seconds = [time.perf_counter() - start]
+        for http in https:
+            http.close()
     row.tokens = sum(counts)
     # Greedy completions may still end at eos: tokens are the ones the server reports, not the ones asked for.
-    row.note = f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy"
+    row.note = f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, --engine {engine}"
     ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
     return row
 
@@ -1296,7 +1323,7 @@ class PeersReport:
                 a, b = f"peers-decode-{batch}{ours}-{weights}", f"peers-decode-{batch}llamacpp-{theirs}"
                 if a in measured and b in measured:
                     lines.append(f"- decode {a} / {b}: {measured[a] / measured[b]:.2f}x")
-        for suffix in ("", "-bf16"):  # batched serving: all clients' tokens/s against one client's
+        for suffix in ("", "-bf16", "-compiled"):  # batched serving: all clients' tokens/s against one client's
             a, b = f"peers-serve-8-clients{suffix}", f"peers-serve-1-clients{suffix}"
             if a in measured and b in measured:
                 lines.append(f"- serve {a} / {b}: {measured[a] / measured[b]:.2f}x")
@@ -1325,9 +1352,10 @@ PEER_NOTES = """\
   padded = every sample padded to 512 (upstream MiniMind), packed = `--padding_free`. tok/s counts real
   (non-pad) tokens; the first step is left out of the timing. padded-compiled = padded with the model under
   `torch.compile`, as the Trainer's `--torch_compile` runs it (the first step compiles forward and backward).
-- serve: the OpenAI-compatible server (continuous batching) on loopback, fp32 or bf16 weights, torch's threads;
-  each client streams its greedy completions one after another; tok/s = completion tokens of all clients / wall
-  time.
+- serve: the OpenAI-compatible server on loopback, fp32 or bf16 weights, torch's threads; each client streams
+  its greedy completions one after another; tok/s = completion tokens of all clients / wall time. The default
+  engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
+  static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row).
 """
 
 

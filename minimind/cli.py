@@ -238,18 +238,31 @@ def serve(argv=None):
                         help="tokens the paged KV cache holds for all requests together; requests that do not fit "
                              "wait (default: every admitted request at full context, at most "
                              f"{serving.ServerLimits.DEFAULT_KV_CACHE_TOKENS} unless 2 x max_context is more)")
+    parser.add_argument("--engine", default="paged", choices=serving.Generator.ENGINES,
+                        help="paged: transformers' continuous batching over a paged KV cache (any context, eager "
+                             "steps); compiled: torch.compile'd steps over max_batch rows of max_context positions "
+                             "(faster; compiles for a minute at start)")
+    parser.add_argument("--max_batch", type=int, default=limits.max_batch,
+                        help="--engine compiled: sequences decoded together; more wait for a free row")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="--engine compiled: --no-compile runs its steps eagerly")
     args = parser.parse_args(argv)
     limits = serving.ServerLimits(max_context=args.max_context, default_max_tokens=args.default_max_tokens,
                                   max_tokens=args.max_tokens, max_n=args.max_n,
                                   max_prompt_tokens=args.max_prompt_tokens,
                                   max_concurrent_requests=args.max_concurrent_requests,
-                                  request_timeout=args.request_timeout, kv_cache_tokens=args.kv_cache_tokens)
+                                  request_timeout=args.request_timeout, kv_cache_tokens=args.kv_cache_tokens,
+                                  max_batch=args.max_batch)
     model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
     try:
-        generator = serving.Generator(model, tokenizer, model_id, limits=limits)
+        generator = serving.Generator(model, tokenizer, model_id, limits=limits, engine=args.engine,
+                                      compile=args.compile)
     except ValueError as error:
         parser.error(str(error))
+    if args.engine == "compiled" and args.compile:
+        print(f"compiling the decode step for batches of {generator.engine.batch_sizes} rows ...", flush=True)
+        print(f"compiled in {generator.engine.warm_up():.0f} s", flush=True)
     serving.serve(serving.create_app(generator, api_key=args.api_key or None), host=args.host, port=args.port)
 
 

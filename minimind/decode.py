@@ -26,6 +26,9 @@ temperature / top-k / top-p sampling through transformers' own logits warpers, e
 criteria) and returns what `generate` returns: prompt and new ids, a row per prompt, a row that ended early
 filled with the pad id. Greedy fp32 output equals `generate`'s token for token (tests/test_decode.py);
 anything it does not cover is refused with a ValueError.
+
+`RowDecoder` compiles the same step for a server (`minimind.serving.CompiledBatchEngine`): over a `RowCache`,
+whose rows are independent sequences, each at its own position, so sequences join and leave between steps.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from transformers import (AttentionInterface, LogitsProcessorList, StaticCache, StoppingCriteriaList,
+from transformers import (AttentionInterface, DynamicCache, LogitsProcessorList, StaticCache, StoppingCriteriaList,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -185,20 +189,43 @@ def cache_length(needed: int) -> int:
     return -(-needed // CACHE_BUCKET) * CACHE_BUCKET
 
 
-class CompiledDecoder:
-    """`generate` for unpadded prompts, with the decode step compiled (`compile=False`: the same loop eagerly,
-    which tests use to check the loop against `model.generate` without paying for compilation)."""
+def sampling_warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList | None:
+    """transformers' own logits warpers for these settings, as `generate` builds them; None for greedy."""
+    if not do_sample:
+        return None
+    warpers = LogitsProcessorList()
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def choose_tokens(ids, logits, warpers):
+    """The next token of each row [N, 1] from its logits [N, V]: the best one, or sampled through `warpers`."""
+    logits = logits.float()
+    if warpers is None:
+        return logits.argmax(dim=-1, keepdim=True)
+    scores = warpers(ids, logits)
+    return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
+
+
+class CompiledStep:
+    """The model's one-token step compiled by inductor for fixed shapes (`compile=False`: the same step eagerly, which
+    tests use to check a decode loop against `model.generate` without paying for compilation). A subclass says
+    what one step is (`_forward_one(token, position, cache) -> logits`) and runs it through `_next_logits`."""
 
     def __init__(self, model, compile: bool = True):
         if model.training:
-            raise ValueError("CompiledDecoder needs a model in eval mode: call model.eval() first")
+            raise ValueError(f"{type(self).__name__} needs a model in eval mode: call model.eval() first")
         self.model = model
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent in the first call of each new cache length (compilation)
         self._step = torch.compile(self._own_step(), fullgraph=True, dynamic=False) if compile else self._forward_one
-        self._cache: StaticCache | None = None
-        self._compiled_for: StaticCache | None = None
+        self._compiled_for: Cache | None = None
         # The steps attend through grouped_query_sdpa where the model attends through SDPA (the prompt keeps the
         # model's kernel); an eager or flash-attention model keeps its own.
         attention = model.config._attn_implementation
@@ -229,86 +256,6 @@ class CompiledDecoder:
         code = self._forward_one.__func__.__code__
         own = code.replace(co_name=f"decode_step_{next(_decoder_ids)}")
         return types.MethodType(types.FunctionType(own, globals()), self)
-
-    def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
-        out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
-        return out.logits[:, -1]  # [B, V]
-
-    def _fresh_cache(self, batch: int, needed: int) -> StaticCache:
-        length = cache_length(needed)
-        if (self._cache is not None and self._cache.layers[0].max_cache_len == length
-                and self._cache.layers[0].keys.shape[0] == batch):
-            self._cache.reset()
-            return self._cache
-        config = self.model.config
-        cache = StaticCache(config=config, max_cache_len=length)
-        cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                   dtype=self.dtype, device=self.model.device)
-        # StaticCache marks its tensors as static addresses (for CUDA graphs). Freezing would then fold them into
-        # the graph as constants, so in-place cache updates would write to a copy; as plain inputs they work.
-        for layer in cache.layers:
-            for tensor in (layer.keys, layer.values, layer.cumulative_length):
-                tensor.__dict__.pop("_dynamo_static_input_type", None)
-        self._cache = cache
-        return cache
-
-    @staticmethod
-    def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList | None:
-        if not do_sample:
-            return None
-        warpers = LogitsProcessorList()
-        if temperature is not None and temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(temperature))
-        if top_k:
-            warpers.append(TopKLogitsWarper(top_k))
-        if top_p is not None and top_p < 1.0:
-            warpers.append(TopPLogitsWarper(top_p))
-        return warpers
-
-    @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None, streamer=None,
-                 stopping_criteria: StoppingCriteriaList | None = None):
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("CompiledDecoder takes unpadded prompts of one length: attention_mask must be all "
-                             "ones; use model.generate for padded batches")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        batch, prompt_length = input_ids.shape
-        if streamer is not None and batch > 1:
-            raise ValueError(f"a streamer takes one sequence, got a batch of {batch}; stream one prompt at a time")
-        # As in generate: with an eos id, a row that has ended (eos or a stopping criterion) goes on with the pad
-        # id (the eos id when there is none).
-        pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
-        unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
-        cache = self._fresh_cache(batch, prompt_length + max_new_tokens)
-        warpers = self._warpers(do_sample, temperature, top_k, top_p)
-        stopping_criteria = stopping_criteria or StoppingCriteriaList()
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-
-        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-        ids = input_ids
-        for step in range(max_new_tokens):
-            token = self._choose(ids, logits, warpers)  # [B, 1]
-            if batch > 1 and eos_token_id is not None:
-                token = torch.where(unfinished[:, None], token, pad_token_id)
-            ids = torch.cat([ids, token], dim=1)
-            if streamer is not None:
-                streamer.put(token[0].cpu())
-            if eos_token_id is not None:
-                unfinished &= token[:, 0] != eos_token_id
-            unfinished &= ~stopping_criteria(ids, logits).to(unfinished.device)
-            if step + 1 == max_new_tokens or not bool(unfinished.any()):
-                break
-            position = torch.tensor([prompt_length + step], device=ids.device)
-            logits = self._next_logits(token, position, cache)
-        if streamer is not None:
-            streamer.end()
-        return ids
 
     @contextlib.contextmanager
     def _step_kernel(self):
@@ -361,13 +308,175 @@ class CompiledDecoder:
         self._compiled_for = cache
         return logits
 
-    @staticmethod
-    def _choose(ids, logits, warpers):
-        logits = logits.float()
-        if warpers is None:
-            return logits.argmax(dim=-1, keepdim=True)
-        scores = warpers(ids, logits)
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)
+    def _forward_one(self, token, position, cache):
+        raise NotImplementedError
+
+
+class CompiledDecoder(CompiledStep):
+    """`generate` for unpadded prompts, with the decode step compiled."""
+
+    def __init__(self, model, compile: bool = True):
+        super().__init__(model, compile)
+        self._cache: StaticCache | None = None
+
+    def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
+        out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
+        return out.logits[:, -1]  # [B, V]
+
+    def _fresh_cache(self, batch: int, needed: int) -> StaticCache:
+        length = cache_length(needed)
+        if (self._cache is not None and self._cache.layers[0].max_cache_len == length
+                and self._cache.layers[0].keys.shape[0] == batch):
+            self._cache.reset()
+            return self._cache
+        config = self.model.config
+        cache = StaticCache(config=config, max_cache_len=length)
+        cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                                   dtype=self.dtype, device=self.model.device)
+        # StaticCache marks its tensors as static addresses (for CUDA graphs). Freezing would then fold them into
+        # the graph as constants, so in-place cache updates would write to a copy; as plain inputs they work.
+        for layer in cache.layers:
+            for tensor in (layer.keys, layer.values, layer.cumulative_length):
+                tensor.__dict__.pop("_dynamo_static_input_type", None)
+        self._cache = cache
+        return cache
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
+                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                 eos_token_id: int | None = None, pad_token_id: int | None = None, streamer=None,
+                 stopping_criteria: StoppingCriteriaList | None = None):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("CompiledDecoder takes unpadded prompts of one length: attention_mask must be all "
+                             "ones; use model.generate for padded batches")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        batch, prompt_length = input_ids.shape
+        if streamer is not None and batch > 1:
+            raise ValueError(f"a streamer takes one sequence, got a batch of {batch}; stream one prompt at a time")
+        # As in generate: with an eos id, a row that has ended (eos or a stopping criterion) goes on with the pad
+        # id (the eos id when there is none).
+        pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
+        unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        cache = self._fresh_cache(batch, prompt_length + max_new_tokens)
+        warpers = sampling_warpers(do_sample, temperature, top_k, top_p)
+        stopping_criteria = stopping_criteria or StoppingCriteriaList()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        ids = input_ids
+        for step in range(max_new_tokens):
+            token = choose_tokens(ids, logits, warpers)  # [B, 1]
+            if batch > 1 and eos_token_id is not None:
+                token = torch.where(unfinished[:, None], token, pad_token_id)
+            ids = torch.cat([ids, token], dim=1)
+            if streamer is not None:
+                streamer.put(token[0].cpu())
+            if eos_token_id is not None:
+                unfinished &= token[:, 0] != eos_token_id
+            unfinished &= ~stopping_criteria(ids, logits).to(unfinished.device)
+            if step + 1 == max_new_tokens or not bool(unfinished.any()):
+                break
+            position = torch.tensor([prompt_length + step], device=ids.device)
+            logits = self._next_logits(token, position, cache)
+        if streamer is not None:
+            streamer.end()
+        return ids
+
+
+class _RowLayer(StaticLayer):
+    """One layer of a `RowCache`: a step writes each row's key and value at that row's own position."""
+
+    def __init__(self, keys, values, positions):
+        super().__init__(max_cache_len=keys.shape[2])
+        self.keys, self.values, self.positions = keys, values, positions
+        self.batch_size, self.num_heads, _, self.k_head_dim = keys.shape
+        self.v_head_dim, self.device, self.is_initialized = values.shape[-1], keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # [R, K, 1, Dh] each
+        rows = torch.arange(key_states.shape[0], device=key_states.device)
+        self.keys[rows, :, self.positions] = key_states[:, :, 0]
+        self.values[rows, :, self.positions] = value_states[:, :, 0]
+        return self.keys, self.values  # [R, K, L, Dh]
+
+
+class RowCache(Cache):
+    """A static KV cache whose rows are independent sequences, each at its own position: what a server batching
+    requests that arrive at different times needs (transformers' `StaticCache` keeps one position for the whole
+    batch). `positions[r]` is where row r's next token goes; a prompt enters a row through `fill_row`, and
+    `first(n)` is the same memory seen as its first n rows, so a step runs only as many rows as are busy."""
+
+    def __init__(self, config, rows: int, length: int, dtype, device, _tensors=None):
+        self.config = config
+        if _tensors is None:
+            shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, config.head_dim)
+            _tensors = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device))
+        self.keys, self.values, self.positions = _tensors  # [layers, R, K, L, Dh] twice, [R]
+        super().__init__(layers=[_RowLayer(k, v, self.positions) for k, v in zip(self.keys, self.values)])
+
+    @property
+    def rows(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[3]
+
+    def first(self, rows: int) -> "RowCache":
+        return RowCache(self.config, rows, self.length, None, None,
+                        _tensors=(self.keys[:, :rows], self.values[:, :rows], self.positions[:rows]))
+
+    def fill_row(self, row: int, prompt_cache: DynamicCache, index: int, length: int) -> None:
+        """Row `row` takes the first `length` keys and values of sequence `index` of a prompt batch's cache."""
+        for layer, prompt_layer in enumerate(prompt_cache.layers):
+            self.keys[layer, row, :, :length] = prompt_layer.keys[index, :, :length]
+            self.values[layer, row, :, :length] = prompt_layer.values[index, :, :length]
+        self.positions[row] = length
+
+    def move_row(self, source: int, target: int) -> None:
+        """Row `target` takes over row `source`'s sequence (what has been written of it)."""
+        written = int(self.positions[source])
+        self.keys[:, target, :, :written] = self.keys[:, source, :, :written]
+        self.values[:, target, :, :written] = self.values[:, source, :, :written]
+        self.positions[target] = written
+
+
+class RowDecoder(CompiledStep):
+    """Decode steps over a `RowCache`: row r takes token r at its own position and sees only its own sequence.
+    The step is compiled once per number of rows (the same inductor settings as `CompiledDecoder`'s, the same
+    `grouped_query_sdpa`, which reads the cache only as far as the furthest row has written), so sequences can
+    join and leave between steps without recompiling."""
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], cache: RowCache, rows: list[int]):
+        """The prompts run eagerly in one forward and prompt i's keys and values go to row `rows[i]`. Returns each
+        prompt's last logits [N, V]. The prompts are right-padded to the longest: attention is causal, so no real
+        token sees the padding after it, and each prompt's own positions are exact. One forward over N prompts
+        costs far less than N (64M model, fp32, 8 prompts of 25 tokens: 97 against 255 ms)."""
+        lengths = torch.tensor([len(ids) for ids in prompts], device=self.model.device)
+        longest = int(lengths.max())
+        ids = torch.tensor([ids + [ids[-1]] * (longest - len(ids)) for ids in prompts], device=self.model.device)
+        prompt_cache = DynamicCache(config=self.model.config)
+        hidden = self.model.model(input_ids=ids, cache=prompt_cache, use_cache=True).last_hidden_state  # [N, T, D]
+        last = hidden[torch.arange(len(prompts), device=hidden.device), lengths - 1]  # [N, D]
+        for index, (row, length) in enumerate(zip(rows, lengths.tolist())):
+            cache.fill_row(row, prompt_cache, index, length)
+        return self.model.lm_head(last)  # [N, V]
+
+    @torch.no_grad()
+    def step(self, tokens, cache: RowCache):
+        """tokens [R, 1] at `cache.positions` -> logits [R, V]; the caller moves the positions of busy rows on."""
+        return self._next_logits(tokens, cache.positions, cache)
+
+    def _forward_one(self, token, position, cache):  # token [R, 1], position [R]
+        seen = torch.arange(cache.length, device=position.device)[None, :] <= position[:, None]  # [R, L]
+        out = self.model(input_ids=token, position_ids=position[:, None], attention_mask=seen[:, None, None, :],
+                         cache=cache, use_cache=True)
+        return out.logits[:, -1]  # [R, V]
 
 
 def quantize_weights_int8(model):

@@ -220,15 +220,17 @@ def test_main_run_rewrites_its_part_and_leaves_the_peers_section(tmp_path, monke
 
 def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
     report, text = peers_run
-    for suffix, weights in (("", "fp32"), ("-bf16", "bf16")):
+    for suffix, weights in (("", "fp32"), ("-bf16", "bf16"), ("-compiled", "fp32")):
         for clients in (1, 8):
             row = report.row(f"peers-serve-{clients}-clients{suffix}")
             assert row.workload.weights == weights
+            assert row.workload.engine == "minimind server" + (" compiled" if suffix == "-compiled" else "")
             if serving_missing():
                 assert row.skipped == serving_missing()
                 continue
             asked = clients * 1 * 8  # quick: one request of 8 tokens per client
             assert 0 < row.tokens <= asked and row.note.startswith(f"{row.tokens} of {asked} tokens asked for")
+            assert row.note.endswith("--engine compiled" if suffix == "-compiled" else "--engine paged")
         if not serving_missing():
             many, one = (report.row(f"peers-serve-{n}-clients{suffix}").tokens_per_second for n in (8, 1))
             assert (f"- serve peers-serve-8-clients{suffix} / peers-serve-1-clients{suffix}: {many / one:.2f}x"

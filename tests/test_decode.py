@@ -6,8 +6,8 @@ import torch
 from conftest import tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, _attends_written_part, cache_length,
-                             fp32_product_kernel, grouped_query_sdpa)
+from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, RowCache, RowDecoder,
+                             _attends_written_part, cache_length, fp32_product_kernel, grouped_query_sdpa)
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
 NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
@@ -217,16 +217,20 @@ def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(
 
 
 def poison_unwritten_positions(decoder, monkeypatch):
-    """Before each step, NaN in every cache position past the one the step writes: a step that read any of them
-    would turn its logits to NaN."""
+    """Before each step, NaN in every cache position past the last one the step writes (rows at their own positions:
+    the furthest): a step that read any of them would turn its logits to NaN."""
     step = decoder._next_logits
 
     def poisoned(token, position, cache):
-        unwritten = position.item() + 1
+        unwritten = position.max().item() + 1
         for layer in cache.layers:
             layer.keys[:, :, unwritten:] = float("nan")
             layer.values[:, :, unwritten:] = float("nan")
-        return step(token, position, cache)
+        logits = step(token, position, cache)
+        for layer in cache.layers:  # a row that later moves on past here finds stale numbers there, as it would
+            layer.keys[:, :, unwritten:] = 0.0
+            layer.values[:, :, unwritten:] = 0.0
+        return logits
 
     monkeypatch.setattr(decoder, "_next_logits", poisoned)
 
@@ -254,6 +258,84 @@ def test_compiled_fp32_equals_generate_and_reuses_its_graph(model, monkeypatch):
     batched = decoder.generate(BATCH, max_new_tokens=30, **greedy())
     assert torch.equal(batched, batch_reference(model, 30, pad_token_id=0, **greedy()))
     assert decoder.compile_seconds > first_compile
+
+
+ROW_PROMPTS = [[5, 17, 3, 42, 8], [9, 9, 1, 2, 30, 31, 32, 33, 12], [7, 4, 6], [50, 51, 52, 53, 54, 55, 56]]
+
+
+def decode_rows_as_a_server_does(decoder, model):
+    """Sequences join a `RowCache` one after another, each at its own position, finish at different steps and
+    hand their rows over (`move_row`); the steps run over 1, 2 or 4 rows. Returns each sequence's greedy tokens."""
+    cache = RowCache(model.config, rows=4, length=64, dtype=torch.float32, device="cpu")
+    views = {rows: cache.first(rows) for rows in (1, 2, 4)}
+    joins = {0: [0], 3: [1], 5: [2, 3]}  # step -> sequences that join before it
+    budget = [14, 12, 6, 9]  # new tokens each sequence generates
+    busy, tokens = [], {i: [] for i in range(len(ROW_PROMPTS))}  # busy: the sequence in each row, rows in order
+    for step in range(40):
+        joining = joins.get(step, [])
+        if joining:  # prompts of different lengths prefilled together
+            logits = decoder.prefill([ROW_PROMPTS[s] for s in joining], cache, list(range(len(busy), len(busy) + len(joining))))
+            busy += joining
+            for sequence, row_logits in zip(joining, logits):
+                tokens[sequence].append(int(row_logits.argmax()))
+        for row in reversed(range(len(busy))):
+            if len(tokens[busy[row]]) == budget[busy[row]]:
+                last = len(busy) - 1
+                if row != last:
+                    cache.move_row(last, row)
+                busy[row] = busy[last]
+                busy.pop()
+                cache.positions[last] = 0
+        if not busy:
+            break
+        rows = next(n for n in (1, 2, 4) if n >= len(busy))
+        step_tokens = torch.zeros(rows, 1, dtype=torch.long)
+        step_tokens[:len(busy), 0] = torch.tensor([tokens[s][-1] for s in busy])
+        logits = decoder.step(step_tokens, views[rows])
+        cache.positions[:len(busy)] += 1
+        for row, sequence in enumerate(busy):
+            tokens[sequence].append(int(logits[row].argmax()))
+    assert all(len(tokens[s]) == budget[s] for s in tokens)
+    return [tokens[s] for s in range(len(ROW_PROMPTS))]
+
+
+def alone(model, prompt, new):
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, pad_token_id=0, **greedy())
+    return out[0, len(prompt):].tolist()
+
+
+def test_rows_at_their_own_positions_each_decode_as_their_prompt_alone(model):
+    rows = decode_rows_as_a_server_does(RowDecoder(model, compile=False), model)
+    assert rows == [alone(model, prompt, len(tokens)) for prompt, tokens in zip(ROW_PROMPTS, rows)]
+
+
+def test_a_row_cache_views_its_first_rows_and_moves_a_sequence_between_rows(model):
+    config = model.config
+    cache = RowCache(config, rows=4, length=16, dtype=torch.float32, device="cpu")
+    cache.keys.normal_()
+    cache.positions[3] = 5
+    first = cache.first(2)
+    assert first.keys.data_ptr() == cache.keys.data_ptr() and first.positions.data_ptr() == cache.positions.data_ptr()
+    assert first.layers[1].keys.shape == (2, config.num_key_value_heads, 16, config.head_dim)
+    cache.move_row(3, 1)
+    assert cache.positions.tolist() == [0, 5, 0, 5]
+    assert torch.equal(cache.keys[:, 1, :, :5], cache.keys[:, 3, :, :5])
+    assert not torch.equal(cache.keys[:, 1, :, 5:], cache.keys[:, 3, :, 5:])  # only what was written moves
+
+
+@pytest.mark.slow
+def test_compiled_row_steps_equal_generate_with_one_graph_per_batch_size(model, monkeypatch):
+    decoder = RowDecoder(model)
+    poison_unwritten_positions(decoder, monkeypatch)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    rows = decode_rows_as_a_server_does(decoder, model)
+    assert rows == [alone(model, prompt, len(tokens)) for prompt, tokens in zip(ROW_PROMPTS, rows)]
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs - before == 3  # 1, 2 and 4 rows
+    assert decode_rows_as_a_server_does(decoder, model) == rows  # a new cache, the same batch sizes: no new graph
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 def greedy_gap(model, ids, prompt_length):

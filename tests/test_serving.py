@@ -1,19 +1,23 @@
 """The OpenAI-compatible server: a real uvicorn on a loopback port, driven by the official `openai` client
 (streaming and not) and by raw httpx for malformed requests. Greedy replies are compared with `generate` on a
 separately loaded copy of the model (continuous batching leaves the served model's attention in paged mode
-under transformers 5.17)."""
+under transformers 5.17). Every test that serves runs on both engines, `--engine paged` and `--engine compiled`."""
 
+import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
+import torch
 from conftest import load_script, model_dir
 
 from minimind.chat import SamplingParams, TextStream, chat_prompt_ids, load_model_and_tokenizer
-from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
+from minimind.serving import Generator, ServerLimits, create_app, release_openmp_workers, serve_in_thread
 
 MODEL_ID = "tiny-minimind"
 MAX_CONTEXT = 128  # below the model's 256, to check the --max_context limit
@@ -28,10 +32,16 @@ def served_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def generator(served_dir):
+@pytest.fixture(scope="module", params=["paged", "compiled"])
+def generator(served_dir, request):
+    """Every test of the server runs on both engines. The compiled engine's steps run eagerly here (the compiled
+    graphs are checked against generate in tests/test_decode.py), two rows at a time: more concurrent sequences
+    than rows wait, and a row that finishes takes over the last busy row's sequence."""
     model, tokenizer = load_model_and_tokenizer(str(served_dir), "cpu")
-    return Generator(model, tokenizer, MODEL_ID, limits=LIMITS)
+    if request.param == "paged":
+        return Generator(model, tokenizer, MODEL_ID, limits=LIMITS)
+    return Generator(model, tokenizer, MODEL_ID, limits=replace(LIMITS, max_batch=2), engine="compiled",
+                     compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -308,11 +318,50 @@ def test_serve_script_rejects_bad_limits_naming_the_flag(monkeypatch, generator,
     (ServerLimits(request_timeout=0), "request_timeout must be positive seconds, got 0"),
     (ServerLimits(kv_cache_tokens=511), "kv_cache_tokens (511) must hold two full contexts (2 x max_context = 512). "
                                         "Fix: raise --kv_cache_tokens or lower --max_context"),
+    (ServerLimits(max_batch=0), "max_batch must be at least 1, got 0"),
 ])
 def test_bad_limits_are_refused(generator, limits, message):
     with pytest.raises(ValueError) as error:
         Generator(generator.model, generator.tokenizer, MODEL_ID, limits=limits)
     assert message in str(error.value)
+
+
+def test_engines_are_named_and_the_compiled_one_fits_its_rows_in_the_kv_cache(generator):
+    model, tokenizer = generator.model, generator.tokenizer
+    with pytest.raises(ValueError) as error:
+        Generator(model, tokenizer, MODEL_ID, engine="vllm")
+    assert str(error.value) == "engine must be one of paged, compiled, got 'vllm'"
+    with pytest.raises(ValueError) as error:
+        Generator(model, tokenizer, MODEL_ID, engine="compiled", compile=False,
+                  limits=ServerLimits(max_batch=9, kv_cache_tokens=2048))
+    assert str(error.value) == ("the compiled engine keeps max_batch x max_context = 9 x 256 = 2304 tokens of keys and "
+                                "values, more than kv_cache_tokens (2048). Fix: lower --max_context or --max_batch, "
+                                "or raise --kv_cache_tokens")
+    fits = Generator(model, tokenizer, MODEL_ID, engine="compiled", compile=False,
+                     limits=ServerLimits(max_batch=8, kv_cache_tokens=2048))
+    config = model.config
+    assert fits.engine.batch_sizes == [1, 2, 4, 8]
+    assert fits.engine.cache.keys.shape == (config.num_hidden_layers, 8, config.num_key_value_heads, 256,
+                                            config.head_dim)
+
+
+def test_serve_script_takes_the_engine(monkeypatch, generator, tmp_path):
+    import minimind.chat
+    import minimind.serving
+
+    calls = []
+    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: calls.append(app))
+    monkeypatch.setattr(minimind.serving.CompiledBatchEngine, "warm_up", lambda engine: calls.append(engine) or 0.0)
+    load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--engine", "compiled",
+                               "--max_batch", "3", "--max_context", "64", "--no-compile"])
+    load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--engine", "compiled",
+                               "--max_batch", "4", "--max_context", "64"])
+    uncompiled, warmed, compiled = calls
+    engine = uncompiled.state.generator.engine
+    assert isinstance(engine, minimind.serving.CompiledBatchEngine) and not engine.decoder.compiled
+    assert (engine.max_batch, engine.batch_sizes, engine.cache.length) == (3, [1, 2, 3], 64)
+    assert warmed is compiled.state.generator.engine and warmed.decoder.compiled  # compiled before serving
 
 
 def test_api_key_guards_every_route_and_the_openai_client_with_it_works(generator):
@@ -513,3 +562,19 @@ def test_ids_and_object_names_are_openais_for_each_endpoint_streaming_or_not(cli
     assert {c.object for c in text_chunks} == {"text_completion"}
     assert len({c.id for c in chat_chunks}) == 1 and chat_chunks[0].id.startswith("chatcmpl-")
     assert len({c.id for c in text_chunks}) == 1 and text_chunks[0].id.startswith("cmpl-")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the process's threads in /proc")
+def test_release_openmp_workers_gives_this_threads_workers_back_until_torch_runs_again():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        numbers = torch.ones(1 << 22)
+        numbers.add_(1)  # a parallel region: this thread now keeps one OpenMP worker
+        before = len(os.listdir("/proc/self/task"))
+        assert release_openmp_workers()
+        assert len(os.listdir("/proc/self/task")) == before - 1
+        numbers.add_(1)
+        assert len(os.listdir("/proc/self/task")) == before and numbers[0].item() == 3.0
+    finally:
+        torch.set_num_threads(threads)
