@@ -916,8 +916,8 @@ OMP_PAUSE_HARD = 2
 def release_openmp_workers() -> bool:
     """Gives back the OpenMP worker threads the calling thread keeps after any parallel torch op (the OpenMP 5.0
     call `omp_pause_resource_all`); they come back by themselves if it runs torch again. The server runs the model
-    in its engine's thread, and while the thread that loaded the model still holds a team of workers, GNU OpenMP
-    (torch's on Linux) counts more threads than cores and stops its workers spinning between parallel regions:
+    in its engine's thread, and while a thread that ran the model before (the compiled engine's warm-up, a
+    benchmark's other rows) still holds a team of workers, GNU OpenMP (torch's on Linux) counts more threads than cores and stops its workers spinning between parallel regions:
     every step slows down (64M model, 2 cores, compiled fp32 step: 13.8 against 8.2 ms for one row, 22 against
     14 ms for eight). Returns whether a loaded OpenMP runtime took the call."""
     import ctypes
