@@ -94,10 +94,14 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     stop: list[str] = field(default_factory=list)
 
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature <= 0
+
     def generate_kwargs(self, tokenizer) -> dict:
         kwargs = dict(max_new_tokens=self.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                       eos_token_id=tokenizer.eos_token_id)
-        if self.do_sample and self.temperature > 0:
+        if not self.greedy:
             kwargs.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None)
         else:
             # Explicit neutral values: otherwise a checkpoint's sampling defaults trigger "not used" warnings.

@@ -419,10 +419,6 @@ class RowCache(Cache):
         super().__init__(layers=[_RowLayer(k, v, self.positions) for k, v in zip(self.keys, self.values)])
 
     @property
-    def rows(self) -> int:
-        return self.positions.shape[0]
-
-    @property
     def length(self) -> int:
         return self.keys.shape[3]
 

@@ -291,7 +291,7 @@ class BatchEngine:
         request_id = uuid.uuid4().hex
         with self._lock:
             self._subscribers[request_id] = deliver
-        greedy = not params.do_sample or params.temperature == 0
+        greedy = params.greedy
         self.manager.add_request(
             list(prompt_ids), request_id=request_id, max_new_tokens=params.max_new_tokens, streaming=True,
             eos_token_id=self.tokenizer.eos_token_id, temperature=1.0 if greedy else float(params.temperature),
@@ -331,7 +331,7 @@ class _Row:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, deliver):
         self.request_id, self.prompt_ids, self.params, self.deliver = request_id, prompt_ids, params, deliver
-        self.greedy = not params.do_sample or params.temperature == 0
+        self.greedy = params.greedy
         self.warpers = sampling_warpers(not self.greedy, params.temperature, params.top_k, params.top_p)
         self.generated: list[int] = []
         self.first_token: int | None = None  # from the prompt's logits
@@ -443,11 +443,12 @@ class CompiledBatchEngine:
     def _admit(self, joining: list[_Row]) -> None:
         first = len(self._rows)
         self._rows += joining
-        groups, group = [], []
+        groups, group, longest = [], [], 0
         for row in joining:  # prompts prefilled together, padded to the longest, up to PREFILL_TOKENS in all
-            if group and (len(group) + 1) * max(len(r.prompt_ids) for r in group + [row]) > self.PREFILL_TOKENS:
+            longest = max(longest, len(row.prompt_ids))
+            if group and (len(group) + 1) * longest > self.PREFILL_TOKENS:
                 groups.append(group)
-                group = []
+                group, longest = [], len(row.prompt_ids)
             group.append(row)
         start = first
         for group in groups + [group]:
