@@ -24,6 +24,7 @@ import platform
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -931,16 +932,6 @@ class _LlamaCpp:
         self.llama.close()
 
 
-def _timed(fn, repeats):
-    fn()  # warm-up: page faults, thread pools, kernel selection
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def _minimind_greedy(model, ids, new_tokens):
     """The new tokens of each row of `ids` ([B, T], unpadded), greedy with eos ignored."""
     with torch.no_grad():
@@ -1034,16 +1025,24 @@ class PeerContext:
         return self._references[batch]
 
 
-def measure_peer(w, ctx):
+@dataclass
+class PreparedPeer:
+    """A decode or prefill row ready for its timed rounds: `run` has run once (compiled, warmed up), `close`
+    lets go of its engine once every round is over."""
+    row: PeerRow
+    run: Callable
+    close: Callable
+
+
+def prepare_peer(w, ctx):
+    """A decode or prefill row's run, its first tokens checked against MiniMind fp32's; a skipped row as a
+    `PeerRow` with its reason."""
     sizes = ctx.sizes
-    repeats = ctx.settings.repeats or sizes["repeats"]
-    if w.kind == "sft":
-        return measure_sft(w, ctx)
-    if w.kind == "serve":
-        return measure_serve(w, ctx)
     row = PeerRow(w)
     new, prompt, prompts = sizes["new_tokens"], len(ctx.prompt_ids), ctx.prompts(w.batch)
     row.shape = f"{w.batch} x {prompt} (+{new})" if w.kind == "decode" else f"1 x {sizes['prefill']}"
+    row.tokens = new * w.batch if w.kind == "decode" else sizes["prefill"]
+    close = lambda: None  # noqa: E731
     if w.engine == "llama.cpp":
         missing = llama_cpp_missing()
         if missing:
@@ -1052,25 +1051,19 @@ def measure_peer(w, ctx):
         # llama.cpp's AMX-INT8 kernels for q8_0 segfault (ggml-org/llama.cpp#20824): on such a CPU q8_0 runs
         # with the CPU backend's extra buffer types off, on its AVX-512 kernels.
         plain_buffers = w.weights == "q8_0" and amx_int8()
-        path = ctx.gguf(w.weights)
-        engine = _LlamaCpp(path, n_ctx=max(prompt + new, sizes["prefill"]) + 16, threads=ctx.threads,
+        engine = _LlamaCpp(ctx.gguf(w.weights), n_ctx=max(prompt + new, sizes["prefill"]) + 16, threads=ctx.threads,
                            extra_buffer_types=not plain_buffers)
-        try:
-            if w.kind == "decode":
-                row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
-                if w.batch == 1:
-                    decode = lambda: [engine.greedy(ctx.prompt_ids, new)]  # noqa: E731
-                else:
-                    decode = lambda: engine.greedy_batch(prompts, new)  # noqa: E731
-                tokens = decode()
-                row.seconds = _timed(decode, repeats)
-            else:
-                row.seconds = _timed(lambda: engine.prefill(ctx.prefill_ids), repeats)
-        finally:
-            engine.close()
-        row.note = f"n_threads {ctx.threads}" + (
+        close = engine.close
+        if w.kind == "prefill":
+            run = lambda: engine.prefill(ctx.prefill_ids)  # noqa: E731
+        elif w.batch == 1:
+            run = lambda: [engine.greedy(ctx.prompt_ids, new)]  # noqa: E731
+        else:
+            run = lambda: engine.greedy_batch(prompts, new)  # noqa: E731
+        note = f"n_threads {ctx.threads}" + (
             "; extra buffer types off (AMX-INT8 q8_0 kernels segfault: ggml-org/llama.cpp#20824)"
             if plain_buffers else "")
+        describe = lambda tokens: note  # noqa: E731
     else:
         if w.weights == "int8" and int8_missing():
             row.skipped = int8_missing()
@@ -1080,32 +1073,51 @@ def measure_peer(w, ctx):
                            "int8 ones are their batch-1 graphs at another batch size")
             return row
         model = ctx.minimind(w.weights)
-        if w.kind == "decode":
-            row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
-            ids = torch.tensor(prompts)
-            if w.engine == "minimind compiled":
-                decode, describe = _compiled_decode(model, ids, new, w.weights)
-            else:
-                decode = lambda: _minimind_greedy(model, ids, new)  # noqa: E731
-                describe = lambda tokens: "generate, dynamic cache"  # noqa: E731
-            tokens = decode()  # the compiled path compiles here
-            row.seconds = _timed(decode, repeats)
-            row.note = describe(tokens)
-        else:
+        if w.kind == "prefill":
             ids = torch.tensor([ctx.prefill_ids])
 
             @torch.no_grad()
-            def prefill():
+            def run():
                 model(input_ids=ids, use_cache=True, logits_to_keep=1)
 
-            row.seconds = _timed(prefill, repeats)
-            row.note = "forward, logits of the last position"
-    row.tokens = new * w.batch if w.kind == "decode" else sizes["prefill"]
+            describe = lambda tokens: "forward, logits of the last position"  # noqa: E731
+        elif w.engine == "minimind compiled":
+            run, describe = _compiled_decode(model, torch.tensor(prompts), new, w.weights)
+        else:
+            ids = torch.tensor(prompts)
+            run = lambda: _minimind_greedy(model, ids, new)  # noqa: E731
+            describe = lambda tokens: "generate, dynamic cache"  # noqa: E731
+    try:
+        tokens = run()  # the compiled path compiles here
+        row.note = describe(tokens)
+    except BaseException:
+        close()
+        raise
     if w.kind == "decode":
+        row.weight_bytes = weight_bytes_per_token(ctx.config, w.weights) // w.batch
         reference = ctx.reference(w.batch)
         row.same_tokens = (sum(leading_equal(a, b) for a, b in zip(tokens, reference)), sum(map(len, reference)))
-    ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
-    return row
+    return PreparedPeer(row, run, close)
+
+
+def time_in_rounds(prepared, repeats, log):
+    """Each round runs every row once, in turn (after one untimed round): a host that speeds up or slows down
+    during the run moves the rows of a round alike, so rows compare within a round (`PeersReport.ratios`)
+    instead of across the minutes between them. Every other round runs backwards, so that no row always
+    follows the same one (an engine's threads still spinning, its data in the cache)."""
+    try:
+        for p in prepared:
+            p.run()
+        for round in range(repeats):
+            for p in (prepared if round % 2 == 0 else prepared[::-1]):
+                start = time.perf_counter()
+                p.run()
+                p.row.seconds.append(time.perf_counter() - start)
+    finally:
+        for p in prepared:
+            p.close()
+    for p in prepared:
+        log(f"{p.row.workload.row_id}: {p.row.tokens_per_second:.1f} tok/s")
 
 
 FP32_PRODUCTS = {"plain": "unpacked one-row products", "mkl": "MKL-packed weights", "onednn": "oneDNN-packed weights"}
@@ -1316,17 +1328,19 @@ class PeersReport:
     def ratios(self):
         """MiniMind's decode paths against llama.cpp at the matching precision (fp32 / f32, bf16 / f16 and bf16),
         and the server's 8 clients against its one, as bullet lines; only pairs measured in this run."""
-        measured = {r.workload.row_id: r.tokens_per_second for r in self.rows if not r.skipped and r.tokens}
+        measured = {r.workload.row_id: r for r in self.rows if not r.skipped and r.tokens}
         lines = []
         for batch, ours in itertools.product(("", f"b{PEER_BATCH}-"), ("minimind", "minimind-compiled")):
             for weights, theirs in (("fp32", "f32"), ("bf16", "f16"), ("bf16", "bf16"), ("int8", "q8_0")):
                 a, b = f"peers-decode-{batch}{ours}-{weights}", f"peers-decode-{batch}llamacpp-{theirs}"
                 if a in measured and b in measured:
-                    lines.append(f"- decode {a} / {b}: {measured[a] / measured[b]:.2f}x")
+                    median, low, high = paired_ratio(measured[a], measured[b])
+                    lines.append(f"- decode {a} / {b}: {median:.2f}x (rounds {low:.2f}-{high:.2f})")
         for suffix in ("", "-bf16", "-compiled"):  # batched serving: all clients' tokens/s against one client's
             a, b = f"peers-serve-8-clients{suffix}", f"peers-serve-1-clients{suffix}"
             if a in measured and b in measured:
-                lines.append(f"- serve {a} / {b}: {measured[a] / measured[b]:.2f}x")
+                ratio = measured[a].tokens_per_second / measured[b].tokens_per_second
+                lines.append(f"- serve {a} / {b}: {ratio:.2f}x")
         return "\n".join(lines) + "\n\n" if lines else ""
 
 
@@ -1341,6 +1355,10 @@ PEER_NOTES = """\
   the tied LM head and the activations in bf16 (the chat command's `--int8`). b8 rows: 8 different prompts of the
   peer prompt's length decoded together (llama.cpp: one llama_decode over the 8 sequences each step).
   prefill-512: one forward over 512 tokens, tok/s counts them.
+- rounds: the decode and prefill rows are built first, then timed in rounds, each running every row once in
+  turn (one untimed round first, every other round backwards); tok/s is a row's median over the rounds. A ratio
+  line is the median of the ratios within each round, their range in brackets: a host that speeds up or slows
+  down during the run moves a round's rows alike.
 - copy bandwidth: the best large torch tensor copy (bytes read + written per second) with the run's threads.
 - weight bytes / token: the bytes of every matrix a decode step reads (decoder projections and the tied LM
   head) in that row's precision, q8_0 as 34 bytes per 32 values, int8 as a byte per value and a float32 scale
@@ -1357,6 +1375,12 @@ PEER_NOTES = """\
   engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
   static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row).
 """
+
+
+def paired_ratio(ours, theirs):
+    """The median and range of `ours`' tok/s over `theirs`' within each round (rows timed in the same rounds)."""
+    ratios = sorted((ours.tokens / a) / (theirs.tokens / b) for a, b in zip(ours.seconds, theirs.seconds, strict=True))
+    return statistics.median(ratios), ratios[0], ratios[-1]
 
 
 def sft_loss_difference(padded, packed):
@@ -1378,14 +1402,36 @@ def run_peers(settings, threads, log=print, on_row=None):
     details["cpu has amx_int8"] = amx_int8()
     bandwidth = copy_bandwidth(settings.quick)
     log(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s")
-    rows = []
+    measured = {}
+
+    def report_progress():
+        if on_row and len(measured) < len(workloads):
+            done = [measured[w.row_id] for w in workloads if w.row_id in measured]
+            on_row(PeersReport(dict(details, partial=f"{len(done)} of {len(workloads)} rows"), bandwidth, done,
+                               settings))
+
     with tempfile.TemporaryDirectory(prefix="minimind-peers-") as workdir:
         ctx = PeerContext(settings, workdir, threads, log)
+        prepared = []
+        try:
+            for w in workloads:
+                if w.kind in ("decode", "prefill"):
+                    row = prepare_peer(w, ctx)
+                    if isinstance(row, PreparedPeer):
+                        prepared.append(row)
+                        row = row.row
+                    measured[w.row_id] = row
+        except BaseException:
+            for p in prepared:
+                p.close()
+            raise
+        time_in_rounds(prepared, settings.repeats or ctx.sizes["repeats"], log)
+        report_progress()
         for w in workloads:
-            rows.append(measure_peer(w, ctx))
-            if on_row and len(rows) < len(workloads):
-                on_row(PeersReport(dict(details, partial=f"{len(rows)} of {len(workloads)} rows"), bandwidth,
-                                   list(rows), settings))
+            if w.kind in ("sft", "serve"):
+                measured[w.row_id] = (measure_sft if w.kind == "sft" else measure_serve)(w, ctx)
+                report_progress()
+    rows = [measured[w.row_id] for w in workloads]
     bandwidth = max(bandwidth, copy_bandwidth(settings.quick))
     if hasattr(os, "getloadavg"):
         details["load average at end (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())

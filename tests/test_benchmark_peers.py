@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from minimind.benchmark import (PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeersReport,
+from minimind.benchmark import (PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeerRow,
+                                PeersReport, PeerWorkload, PreparedPeer, paired_ratio, time_in_rounds,
                                 amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing, llama_cpp_missing, matmul_params_per_token,
                                 peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
                                 splice_peers, weight_bytes_per_token)
@@ -100,20 +101,21 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
                 "cache, compiled in" in int8.note)
         assert int8.note.endswith(" / 8") and "greedy tokens = plain int8 generate: " in int8.note
     if not llama_cpp_missing():
-        measured = {r.workload.row_id: r.tokens_per_second for r in report.rows if not r.skipped}
+        def ratio_line(ours, theirs):
+            a, b = report.row(ours), report.row(theirs)
+            (ours_seconds,), (theirs_seconds,) = a.seconds, b.seconds  # quick mode: one round
+            ratio = (a.tokens / ours_seconds) / (b.tokens / theirs_seconds)
+            return f"- decode {ours} / {theirs}: {ratio:.2f}x (rounds {ratio:.2f}-{ratio:.2f})\n"
+
         if not int8_missing():
-            ratio = measured["peers-decode-minimind-compiled-int8"] / measured["peers-decode-llamacpp-q8_0"]
-            assert f"- decode peers-decode-minimind-compiled-int8 / peers-decode-llamacpp-q8_0: {ratio:.2f}x" in text
-        ratio = (measured["peers-decode-minimind-compiled-fp32"] / measured["peers-decode-llamacpp-f32"])
-        assert f"- decode peers-decode-minimind-compiled-fp32 / peers-decode-llamacpp-f32: {ratio:.2f}x" in text
+            assert ratio_line("peers-decode-minimind-compiled-int8", "peers-decode-llamacpp-q8_0") in text
+        assert ratio_line("peers-decode-minimind-compiled-fp32", "peers-decode-llamacpp-f32") in text
         # Same weights in the same precision: llama.cpp's float32 graph picks the same greedy tokens, one
         # sequence or a batch of them.
         assert decode["peers-decode-llamacpp-f32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
         assert report.row("peers-decode-llamacpp-f32").same_tokens == (8, 8)
         assert report.row("peers-decode-b8-llamacpp-f32").same_tokens == (64, 64)
-        ratio = measured["peers-decode-b8-minimind-compiled-fp32"] / measured["peers-decode-b8-llamacpp-f32"]
-        assert (f"- decode peers-decode-b8-minimind-compiled-fp32 / peers-decode-b8-llamacpp-f32: {ratio:.2f}x"
-                in text)
+        assert ratio_line("peers-decode-b8-minimind-compiled-fp32", "peers-decode-b8-llamacpp-f32") in text
         # Quick mode compiles the batched step in fp32 only: no ratio line for a skipped row.
         assert report.row("peers-decode-b8-minimind-compiled-bf16").skipped.startswith("quick mode compiles")
         assert "peers-decode-b8-minimind-compiled-bf16 /" not in text
@@ -235,3 +237,34 @@ def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
             many, one = (report.row(f"peers-serve-{n}-clients{suffix}").tokens_per_second for n in (8, 1))
             assert (f"- serve peers-serve-8-clients{suffix} / peers-serve-1-clients{suffix}: {many / one:.2f}x"
                     in text)
+
+
+def test_rows_are_timed_in_rounds_and_compared_within_each_round():
+    calls, closed = [], []
+
+    def prepared(name, fail_at=None):
+        row = PeerRow(PeerWorkload(f"peers-decode-{name}", "decode", name, "fp32"), tokens=100)
+
+        def run():
+            calls.append(name)
+            if len(calls) == fail_at:
+                raise RuntimeError("engine failed")
+
+        return PreparedPeer(row, run, close=lambda: closed.append(name))
+
+    rows = [prepared("a"), prepared("b"), prepared("c")]
+    time_in_rounds(rows, repeats=3, log=lambda line: None)
+    # one untimed round, then three timed ones, the middle one backwards
+    assert calls == ["a", "b", "c"] * 2 + ["c", "b", "a"] + ["a", "b", "c"]
+    assert [len(p.row.seconds) for p in rows] == [3, 3, 3] and closed == ["a", "b", "c"]
+    # A failing row still lets go of every engine.
+    calls.clear(), closed.clear()
+    with pytest.raises(RuntimeError, match="engine failed"):
+        time_in_rounds([prepared("a"), prepared("b", fail_at=4)], repeats=2, log=lambda line: None)
+    assert closed == ["a", "b"]
+    # Ratios pair the rounds: ours twice as fast in round 1, 1.5x in round 2, 1.25x in round 3.
+    ours = PeerRow(PeerWorkload("a", "decode", "minimind", "fp32"), seconds=[1.0, 2.0, 4.0], tokens=100)
+    theirs = PeerRow(PeerWorkload("b", "decode", "llama.cpp", "f32"), seconds=[2.0, 3.0, 5.0], tokens=100)
+    assert paired_ratio(ours, theirs) == (1.5, 1.25, 2.0)
+    with pytest.raises(ValueError):  # rows from different rounds cannot be paired
+        paired_ratio(ours, PeerRow(theirs.workload, seconds=[2.0], tokens=100))
