@@ -1120,7 +1120,8 @@ def time_in_rounds(prepared, repeats, log):
         log(f"{p.row.workload.row_id}: {p.row.tokens_per_second:.1f} tok/s")
 
 
-FP32_PRODUCTS = {"plain": "unpacked one-row products", "mkl": "MKL-packed weights", "onednn": "oneDNN-packed weights"}
+FP32_PRODUCTS = {"plain": "unpacked one-row products", "mkl": "MKL-packed weights", "onednn": "oneDNN-packed weights",
+                 "template": "inductor's C++ GEMM kernels"}
 
 
 def _compiled_decode(model, ids, new, weights):
@@ -1140,7 +1141,8 @@ def _compiled_decode(model, ids, new, weights):
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
         settings = decoder.inductor_settings(ids.shape[0])
         products = (FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])] if decoder.dtype == torch.float32
-                    else "prepacked weights") + (", autotuned GEMMs" if settings["max_autotune"] else "")
+                    else "prepacked weights") + (", autotuned GEMMs" if settings["max_autotune"]
+                                                 and "ATEN" in settings["max_autotune_gemm_backends"] else "")
         attention = (", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA
                      else "")
         return (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, {products}"

@@ -12,8 +12,8 @@ projections that read the same input (q/k/v, gate/up) into one matrix product ea
 fewer, larger products: bf16 137 -> 162 tok/s on the 64M model) and prepack them for oneDNN's and MKL's
 kernels. 16-bit and int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds
 them faster (`max_autotune`: bf16 162 -> 193 tok/s, int8 weights 190 -> 301, at 30-50 s of compilation instead
-of 15); fp32 picks its product kernel by the number of rows (`Fp32Products`: MKL's plain product for one row,
-oneDNN's packed one from four). Every graph gets inductor's C++ wrapper, which calls its kernels without a Python
+of 15); fp32 picks its product kernel by the number of rows and the CPU's maker (`Fp32Products`: on Intel MKL's
+plain product for one row, oneDNN's packed one from four; on AMD inductor's template for one row, oneDNN's beyond). Every graph gets inductor's C++ wrapper, which calls its kernels without a Python
 frame per op. The steps attend through `grouped_query_sdpa`, which reads the KV cache without copying it per
 query head (batch 8, fp32: 306 -> 398 tok/s) and only as far as it has been written (batch 8: fp32 441 -> 486,
 bf16 982 -> 1238), and after a graph's first call dynamo checks only the guards that tell this decoder's graphs
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import platform
 import time
 import types
 import warnings
@@ -110,21 +111,44 @@ AttentionMaskInterface.register(GROUPED_QUERY_SDPA, sdpa_mask)
 ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's packed kernel
 
 
-def fp32_product_kernel(rows: int) -> str:
+def cpu_vendor() -> str:
+    """The CPU's maker as it reports itself ("GenuineIntel", "AuthenticAMD"); "" where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in platform.processor()), "")
+
+
+# MKL's fast code paths are Intel's own: on an AMD EPYC (Zen 4, AVX-512) its fp32 products read the weights at
+# 6-17 GB/s against oneDNN's 18-23 and inductor's C++ template's 30. Unknown makers keep the Intel table (a CPU
+# without MKL, as on ARM, has no MKL-packed products for the table to choose for).
+INTEL_CPU = cpu_vendor() in ("GenuineIntel", "")
+
+
+def fp32_product_kernel(rows: int, intel: bool = INTEL_CPU) -> str:
     """The kernel a compiled fp32 step multiplies `rows` rows by a frozen weight with (`Fp32Products`)."""
     if rows == 1:
-        return "plain"
-    return "onednn" if rows >= ONEDNN_MIN_ROWS else "mkl"
+        return "plain" if intel else "template"
+    return "mkl" if intel and rows < ONEDNN_MIN_ROWS else "onednn"
 
 
 class Fp32Products(CustomGraphPass):
     """An inductor pass for fp32 steps: each prepacked product (MKL's packed GEMM, which freezing puts in for every
     fp32 linear) gets the kernel that was fastest for its number of rows on the 64M model, 2 threads, decoders side
-    by side in one process (tok/s):
+    by side in one process (tok/s). On an Intel Xeon:
     - one row: MKL's plain product with the weight laid out [in, out] contiguous (103 against 88 packed);
     - two or three rows: MKL's packed product stays (batch 2: 171 against 163 for oneDNN's);
     - four rows or more: oneDNN's packed product, as 16-bit weights get (batch 8: 504 against 469; batch 4 even,
       batch 16 808 against 792).
+    On an AMD EPYC (Zen 4), where MKL runs slow:
+    - one row: inductor's own C++ GEMM template, which the packed node lowers to when it is the only choice
+      (`inductor_settings`; 120 against 60 for MKL's plain product and 79 for oneDNN's packed one);
+    - two rows or more: oneDNN's packed product (batch 2: 142 against 73 for MKL's packed one; batch 8, in
+      separate processes: 539 against 456 with autotuning between the template and MKL's packed product).
     Packing cannot simply be switched off per graph: inductor registers its packing patterns once per process, at
     the first frozen compile, and only if `cpp.weight_prepack` is on then; a bf16 or int8 decoder built later
     would lose its packed kernels."""
@@ -138,7 +162,7 @@ class Fp32Products(CustomGraphPass):
             inputs, _packed, weight, bias, _batch = node.args  # inputs [N, in], weight [out, in], a frozen constant
             rows = inputs.meta["val"].shape[0]
             kernel = fp32_product_kernel(rows)
-            if kernel == "mkl":
+            if kernel in ("mkl", "template"):
                 continue
             with graph.inserting_before(node):
                 if kernel == "plain":
@@ -239,11 +263,13 @@ class CompiledStep:
         # at the first frozen compile, and only if the flag is on then (fp32 takes the products it multiplies
         # better otherwise back out of MKL's packed form: Fp32Products).
         # max_autotune: inductor's C++ GEMM template against ATen's; it only paid off for 16-bit activations
-        # (fp32 at batch 1: 81 against 90).
+        # (fp32 at batch 1 on a Xeon: 81 against 90). Where fp32 takes the template (`fp32_product_kernel`) it is
+        # the only choice offered, so nothing is timed while compiling.
         sixteen_bit = self.dtype != torch.float32
+        template = not sixteen_bit and fp32_product_kernel(batch) == "template"
         return {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True,
-                "cpp.weight_prepack": True, "max_autotune": sixteen_bit,
-                "max_autotune_gemm_backends": "CPP,ATEN",
+                "cpp.weight_prepack": True, "max_autotune": sixteen_bit or template,
+                "max_autotune_gemm_backends": "CPP" if template else "CPP,ATEN",
                 "post_grad_custom_pre_pass": Fp32Products() if self.dtype == torch.float32 else None,
                 # autotuning reports every choice on stderr, which would land in the middle of a chat
                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}

@@ -6,12 +6,14 @@ import os
 import pytest
 import torch
 
-from minimind.benchmark import (PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext, PeerRow,
+from minimind.benchmark import (FP32_PRODUCTS, PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext,
+                                PeerRow,
                                 PeersReport, PeerWorkload, PreparedPeer, paired_ratio, time_in_rounds,
                                 amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing, llama_cpp_missing, matmul_params_per_token,
                                 peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
                                 splice_peers, weight_bytes_per_token)
 from minimind.data import build_dataset
+from minimind.decode import fp32_product_kernel
 
 from conftest import ROOT, TOKENIZER_DIR, load_script
 
@@ -91,7 +93,8 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     assert ("torch.compile with freezing, merged projections, prepacked weights, autotuned GEMMs, grouped-query "
             "attention over the written cache, compiled in" in bf16.note)
     assert bf16.note.endswith(" / 8")
-    assert ("torch.compile with freezing, merged projections, unpacked one-row products, grouped-query attention "
+    one_row = FP32_PRODUCTS[fp32_product_kernel(1)]  # this CPU maker's kernel
+    assert (f"torch.compile with freezing, merged projections, {one_row}, grouped-query attention "
             "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note)
     int8 = report.row("peers-decode-minimind-compiled-int8")
     if int8_missing():

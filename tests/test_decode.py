@@ -6,8 +6,9 @@ import torch
 from conftest import tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
+import minimind.decode as decode
 from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, RowCache, RowDecoder,
-                             _attends_written_part, cache_length, fp32_product_kernel, grouped_query_sdpa)
+                             _attends_written_part, cache_length, cpu_vendor, fp32_product_kernel, grouped_query_sdpa)
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
 NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
@@ -242,7 +243,10 @@ def test_compiled_fp32_equals_generate_and_reuses_its_graph(model, monkeypatch):
     decoder = CompiledDecoder(model)
     poison_unwritten_positions(decoder, monkeypatch)
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
-    assert decoder.inductor_settings(1)["max_autotune"] is False  # autotuning only paid off for 16-bit
+    # autotuning only paid off for 16-bit; where fp32's one row takes inductor's template it is the only choice
+    template = fp32_product_kernel(1) == "template"
+    assert decoder.inductor_settings(1)["max_autotune"] is template
+    assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == ("CPP" if template else "CPP,ATEN")
     out = decoder.generate(PROMPT, max_new_tokens=40, **greedy())
     assert torch.equal(out, reference(model, 40, **greedy()))
     assert decoder.compile_seconds > 0
@@ -408,17 +412,37 @@ def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own()
     assert alive() is None
 
 
-def test_fp32_products_take_the_kernel_measured_fastest_for_their_rows():
-    assert [fp32_product_kernel(rows) for rows in (1, 2, 3, 4, 8, 16)] == ["plain", "mkl", "mkl", "onednn", "onednn",
-                                                                           "onednn"]
+def test_fp32_products_take_the_kernel_measured_fastest_for_their_rows_on_each_cpu_maker():
+    rows = (1, 2, 3, 4, 8, 16)
+    assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
+    assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
+    assert decode.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
+
+
+def test_cpu_vendor_reads_cpuinfo_then_the_platform_string(monkeypatch):
+    import io
+
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    monkeypatch.setattr(decode, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    assert cpu_vendor() == "AuthenticAMD"
+
+    def no_file(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(decode, "open", no_file, raising=False)
+    monkeypatch.setattr(decode.platform, "processor", lambda: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel")
+    assert cpu_vendor() == "GenuineIntel"
+    monkeypatch.setattr(decode.platform, "processor", lambda: "arm")
+    assert cpu_vendor() == ""
 
 
 @pytest.mark.slow
-def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model):
-    """fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step copies nothing;
-    at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
+def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model, monkeypatch):
+    """The Intel table. fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step
+    copies nothing; at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
     from torch.profiler import profile
 
+    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=True))
     record = RecordProducts()
     decoder = CompiledDecoder(model)
     four = torch.cat([BATCH, PROMPT])
@@ -458,6 +482,30 @@ def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_w
         setattr(decoder, name, lambda *args, _name=name, _original=original: entered.append(_name) or _original(*args))
     assert torch.equal(decoder.generate(PROMPT, max_new_tokens=6, **greedy()), out)
     assert entered == []
+
+
+@pytest.mark.slow
+def test_fp32_steps_on_amd_multiply_one_row_in_inductors_template_and_two_rows_with_onednn(model, monkeypatch):
+    """The table for other makers (AMD), where MKL runs slow. At batch 1 the packed products are left for inductor,
+    which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product); at batch 2 every
+    product is oneDNN's packed one. Tokens are generate's either way."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=False))
+    record = RecordProducts()
+    decoder = CompiledDecoder(model)
+    two = BATCH[:2]
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
+        out, codes = run_and_get_code(decoder.generate, PROMPT, max_new_tokens=6, **greedy())
+        batched = decoder.generate(two, max_new_tokens=6, **greedy())
+    assert torch.equal(out, reference(model, 6, **greedy()))
+    assert torch.equal(batched, batch_reference(model, 6, batch=two, pad_token_id=0, **greedy()))
+    layers = model.config.num_hidden_layers
+    single, pair = record.graphs
+    assert single == ["mkl._mkl_linear"] * (4 * layers + 1)
+    assert pair == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
+    code = "\n".join(codes)
+    assert "micro_gemm" in code and "mm_out" not in code and "_mkl_linear" not in code
 
 
 def test_int8_weights_quantize_every_decoder_projection_per_row():
