@@ -436,23 +436,30 @@ def test_cpu_vendor_reads_cpuinfo_then_the_platform_string(monkeypatch):
     assert cpu_vendor() == ""
 
 
+def fp32_products_of_steps(model, monkeypatch, intel, batch):
+    """A decoder compiled with one CPU maker's kernel table, run for 6 tokens on PROMPT and on `batch`, each checked
+    against generate: the decoder, PROMPT's output, the products of the two graphs, the first graph's code."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
+    record = RecordProducts()
+    decoder = CompiledDecoder(model)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
+        out, codes = run_and_get_code(decoder.generate, PROMPT, max_new_tokens=6, **greedy())
+        batched = decoder.generate(batch, max_new_tokens=6, **greedy())
+    assert torch.equal(out, reference(model, 6, **greedy()))
+    assert torch.equal(batched, batch_reference(model, 6, batch=batch, pad_token_id=0, **greedy()))
+    return decoder, out, record.graphs, codes
+
+
 @pytest.mark.slow
 def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model, monkeypatch):
     """The Intel table. fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step
     copies nothing; at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
     from torch.profiler import profile
 
-    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=True))
-    record = RecordProducts()
-    decoder = CompiledDecoder(model)
-    four = torch.cat([BATCH, PROMPT])
-    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
-        out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
-        batched = decoder.generate(four, max_new_tokens=6, **greedy())
-    assert torch.equal(out, reference(model, 6, **greedy()))
-    assert torch.equal(batched, batch_reference(model, 6, batch=four, pad_token_id=0, **greedy()))
+    decoder, out, (single, batch), _ = fp32_products_of_steps(model, monkeypatch, True, torch.cat([BATCH, PROMPT]))
     layers = model.config.num_hidden_layers
-    single, batch = record.graphs
     assert single == ["aten.mm.default"] * (4 * layers + 1)
     assert batch == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
     # Inductor's one-row views have strides (0, 1), which ATen's product copies before multiplying; the pass
@@ -489,19 +496,8 @@ def test_fp32_steps_on_amd_multiply_one_row_in_inductors_template_and_two_rows_w
     """The table for other makers (AMD), where MKL runs slow. At batch 1 the packed products are left for inductor,
     which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product); at batch 2 every
     product is oneDNN's packed one. Tokens are generate's either way."""
-    from torch._inductor.utils import run_and_get_code
-
-    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=False))
-    record = RecordProducts()
-    decoder = CompiledDecoder(model)
-    two = BATCH[:2]
-    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
-        out, codes = run_and_get_code(decoder.generate, PROMPT, max_new_tokens=6, **greedy())
-        batched = decoder.generate(two, max_new_tokens=6, **greedy())
-    assert torch.equal(out, reference(model, 6, **greedy()))
-    assert torch.equal(batched, batch_reference(model, 6, batch=two, pad_token_id=0, **greedy()))
+    _, _, (single, pair), codes = fp32_products_of_steps(model, monkeypatch, False, BATCH[:2])
     layers = model.config.num_hidden_layers
-    single, pair = record.graphs
     assert single == ["mkl._mkl_linear"] * (4 * layers + 1)
     assert pair == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
     code = "\n".join(codes)
