@@ -13,11 +13,11 @@ fewer, larger products: bf16 137 -> 162 tok/s on the 64M model) and prepack them
 kernels. 16-bit and int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds
 them faster (`max_autotune`: bf16 162 -> 193 tok/s, int8 weights 190 -> 301, at 30-50 s of compilation instead
 of 15); fp32 picks its product kernel by the number of rows and the CPU's maker (`Fp32Products`: on Intel MKL's
-plain product for one row, oneDNN's packed one from four; on AMD inductor's template for one row, oneDNN's beyond). Every graph gets inductor's C++ wrapper, which calls its kernels without a Python
-frame per op. The steps attend through `grouped_query_sdpa`, which reads the KV cache without copying it per
-query head (batch 8, fp32: 306 -> 398 tok/s) and only as far as it has been written (batch 8: fp32 441 -> 486,
-bf16 982 -> 1238), and after a graph's first call dynamo checks only the guards that tell this decoder's graphs
-apart.
+plain product for one row, oneDNN's packed one from four; on AMD inductor's template for one row, oneDNN's
+beyond). Every graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per op. The
+steps attend through `grouped_query_sdpa`, which reads the KV cache without copying it per query head (batch 8,
+fp32: 306 -> 398 tok/s) and only as far as it has been written (batch 8: fp32 441 -> 486, bf16 982 -> 1238), and
+after a graph's first call dynamo checks only the guards that tell this decoder's graphs apart.
 Frozen weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved state
 dict is untouched.
 
