@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from minimind.benchmark import (FP32_PRODUCTS, PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext,
-                                PeerRow,
-                                PeersReport, PeerWorkload, PreparedPeer, paired_ratio, time_in_rounds,
+                                PeerRow, PeersReport, PeerWorkload, PreparedPeer, paired_ratio, time_in_rounds,
                                 amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing, llama_cpp_missing, matmul_params_per_token,
                                 peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
                                 splice_peers, weight_bytes_per_token)
