@@ -147,7 +147,8 @@ def test_llama_cpp_logits_follow_ours_at_each_precision(tmp_path, outtype, overr
     per_position = np.abs(theirs - logits).max(-1) / logits.std()
     # q8_0 also rounds the activations to 8 bits, which can tip an MoE router to other experts at some positions
     # (an AMD EPYC: the worst position 1.9, the next 0.39, the median 0.15; dense: 0.10 worst, 0.07 median), so
-    # q8_0 bounds the typical position and the argmax check below counts the tipped ones.
-    error = np.median(per_position) if outtype == "q8_0" else per_position.max()
+    # q8_0 with experts bounds the typical position and the argmax check below counts the tipped ones.
+    routed = outtype == "q8_0" and overrides
+    error = np.median(per_position) if routed else per_position.max()
     assert error < {"f16": 0.01, "bf16": 0.15, "q8_0": 0.3}[outtype], error
     assert (theirs.argmax(-1) == logits.argmax(-1)).mean() >= 0.9
