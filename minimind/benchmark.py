@@ -1237,45 +1237,65 @@ def _stream_completion(http, prompt, max_tokens):
     return usage["completion_tokens"]
 
 
-def measure_serve(w, ctx):
-    """The OpenAI-compatible server on loopback: N clients each streaming the same number of greedy completions
-    one after another; total completion tokens per second of wall time. "minimind server" is the default engine
-    (transformers' continuous batching), "minimind server compiled" is `--engine compiled`."""
+def measure_serve(workloads, ctx):
+    """The OpenAI-compatible server on loopback, one engine and weights: for each of `workloads` (rows of that
+    server), N clients each streaming the same number of greedy completions one after another; total completion
+    tokens per second of wall time. "minimind server" is the default engine (transformers' continuous batching),
+    "minimind server compiled" is `--engine compiled`. The rows run in rounds on one server, as the decode rows
+    do (`time_in_rounds`): a run lasts a few seconds, shorter than the host's own swings, so the 8-client row
+    compares with the one-client row of its round."""
     from concurrent.futures import ThreadPoolExecutor
 
-    clients = int(w.row_id.split("-")[2])
     new, per_client = ctx.sizes["serve_tokens"], ctx.sizes["serve_requests"]
-    row = PeerRow(w, shape=f"{clients} x {per_client} requests (+{new})")
+    rows = [PeerRow(w, shape=f"{_clients(w)} x {per_client} requests (+{new})") for w in workloads]
     missing = serving_missing()
     if missing:
-        row.skipped = missing
-        return row
+        for row in rows:
+            row.skipped = missing
+        return rows
     from minimind.serving import create_app, serve_in_thread
 
-    engine = "compiled" if w.engine.endswith("compiled") else "paged"
-    generator = ctx.server(w.weights, engine)
+    engine = "compiled" if workloads[0].engine.endswith("compiled") else "paged"
+    generator = ctx.server(workloads[0].weights, engine)
 
     import httpx
-
-    def client(index):
-        return sum(_stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new) for k in range(per_client))
 
     with serve_in_thread(create_app(generator)) as url:
         # Each client keeps one client object and its connection, as the openai client does: building one per
         # request (its TLS context included) takes about 18 ms of the 2 cores the server runs on.
-        https = [httpx.Client(base_url=url, timeout=600) for _ in range(clients)]
+        https = [httpx.Client(base_url=url, timeout=600) for _ in range(max(map(_clients, workloads)))]
+
+        def client(index):
+            return sum(_stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new)
+                       for k in range(per_client))
+
+        def run(row):
+            clients = _clients(row.workload)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                tokens = sum(pool.map(client, range(clients)))
+            seconds = time.perf_counter() - start
+            # Greedy completions may end at eos: the row counts its first round's tokens, and a round that got
+            # another number is timed at its own rate.
+            row.tokens = row.tokens or tokens
+            row.seconds.append(seconds * row.tokens / max(tokens, 1))
+
         _stream_completion(https[0], PEER_PROMPT, new)  # warm-up: the first step, the first pages
-        start = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            counts = list(pool.map(client, range(clients)))
-        row.seconds = [time.perf_counter() - start]
+        for round in range(ctx.sizes["repeats"]):
+            for row in (rows if round % 2 == 0 else rows[::-1]):
+                run(row)
         for http in https:
             http.close()
-    row.tokens = sum(counts)
-    # Greedy completions may still end at eos: tokens are the ones the server reports, not the ones asked for.
-    row.note = f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, --engine {engine}"
-    ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} tok/s")
-    return row
+    for row in rows:
+        clients = _clients(row.workload)
+        row.note = (f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, "
+                    f"--engine {engine}")
+        ctx.log(f"{row.workload.row_id}: {row.tokens_per_second:.1f} tok/s")
+    return rows
+
+
+def _clients(workload):
+    return int(workload.row_id.split("-")[2])
 
 
 PEER_COLUMNS = ["row", "engine", "weights", "B x T (+new)", "tok/s", "weight bytes / token",
@@ -1341,8 +1361,8 @@ class PeersReport:
         for suffix in ("", "-bf16", "-compiled"):  # batched serving: all clients' tokens/s against one client's
             a, b = f"peers-serve-8-clients{suffix}", f"peers-serve-1-clients{suffix}"
             if a in measured and b in measured:
-                ratio = measured[a].tokens_per_second / measured[b].tokens_per_second
-                lines.append(f"- serve {a} / {b}: {ratio:.2f}x")
+                median, low, high = paired_ratio(measured[a], measured[b])
+                lines.append(f"- serve {a} / {b}: {median:.2f}x (rounds {low:.2f}-{high:.2f})")
         return "\n".join(lines) + "\n\n" if lines else ""
 
 
@@ -1373,7 +1393,8 @@ PEER_NOTES = """\
   (non-pad) tokens; the first step is left out of the timing. padded-compiled = padded with the model under
   `torch.compile`, as the Trainer's `--torch_compile` runs it (the first step compiles forward and backward).
 - serve: the OpenAI-compatible server on loopback, fp32 or bf16 weights, torch's threads; each client streams
-  its greedy completions one after another; tok/s = completion tokens of all clients / wall time. The default
+  its greedy completions one after another; tok/s = completion tokens of all clients / wall time, the median
+  of the rounds, in which a server's 1- and 8-client rows take turns (ratios within each round). The default
   engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
   static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row).
 """
@@ -1430,9 +1451,16 @@ def run_peers(settings, threads, log=print, on_row=None):
         time_in_rounds(prepared, settings.repeats or ctx.sizes["repeats"], log)
         report_progress()
         for w in workloads:
-            if w.kind in ("sft", "serve"):
-                measured[w.row_id] = (measure_sft if w.kind == "sft" else measure_serve)(w, ctx)
+            if w.kind == "sft":
+                measured[w.row_id] = measure_sft(w, ctx)
                 report_progress()
+        servers = {}  # the serve rows of each (weights, engine), in table order
+        for w in workloads:
+            if w.kind == "serve":
+                servers.setdefault((w.weights, w.engine), []).append(w)
+        for group in servers.values():
+            measured.update((row.workload.row_id, row) for row in measure_serve(group, ctx))
+            report_progress()
     rows = [measured[w.row_id] for w in workloads]
     bandwidth = max(bandwidth, copy_bandwidth(settings.quick))
     if hasattr(os, "getloadavg"):

@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 
-from minimind.benchmark import (FP32_PRODUCTS, PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, BenchmarkSettings, PeerContext,
-                                PeerRow, PeersReport, PeerWorkload, PreparedPeer, paired_ratio, time_in_rounds,
-                                amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing, llama_cpp_missing, matmul_params_per_token,
-                                peer_workloads, peers_section_of, run_benchmark, select_workloads, serving_missing,
-                                splice_peers, weight_bytes_per_token)
+from minimind.benchmark import (FP32_PRODUCTS, PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, PEER_PROMPT, BenchmarkSettings,
+                                PeerContext, PeerRow, PeersReport, PeerWorkload, PreparedPeer, paired_ratio,
+                                time_in_rounds, amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing,
+                                llama_cpp_missing, matmul_params_per_token, peer_workloads, peers_section_of,
+                                run_benchmark, select_workloads, serving_missing, splice_peers, weight_bytes_per_token)
 from minimind.data import build_dataset
 from minimind.decode import fp32_product_kernel
 
@@ -236,9 +236,51 @@ def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
             assert 0 < row.tokens <= asked and row.note.startswith(f"{row.tokens} of {asked} tokens asked for")
             assert row.note.endswith("--engine compiled" if suffix == "-compiled" else "--engine paged")
         if not serving_missing():
-            many, one = (report.row(f"peers-serve-{n}-clients{suffix}").tokens_per_second for n in (8, 1))
-            assert (f"- serve peers-serve-8-clients{suffix} / peers-serve-1-clients{suffix}: {many / one:.2f}x"
-                    in text)
+            many, one = (report.row(f"peers-serve-{n}-clients{suffix}") for n in (8, 1))
+            assert len(many.seconds) == len(one.seconds) == 1  # quick: one round
+            ratio = many.tokens_per_second / one.tokens_per_second
+            assert (f"- serve peers-serve-8-clients{suffix} / peers-serve-1-clients{suffix}: {ratio:.2f}x "
+                    f"(rounds {ratio:.2f}-{ratio:.2f})" in text)
+
+
+@pytest.mark.skipif(bool(serving_missing()), reason=serving_missing() or "")
+def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(monkeypatch):
+    import contextlib
+    import types
+
+    import minimind.benchmark
+    import minimind.serving
+
+    started, completions = [], []
+    monkeypatch.setattr(minimind.serving, "create_app", lambda generator: ("app", generator))
+    monkeypatch.setattr(minimind.serving, "serve_in_thread",
+                        contextlib.contextmanager(lambda app: (started.append(app), (yield "http://127.0.0.1:1"))))
+
+    def completion(http, prompt, max_tokens):
+        completions.append(prompt)
+        short_round = len(completions) == 1 + 2 + 16 + 1  # the second round's first completion (8 clients)
+        return 1 if short_round else max_tokens
+
+    clock = iter(range(1000))  # each reading one second after the last
+    monkeypatch.setattr(minimind.benchmark, "_stream_completion", completion)
+    monkeypatch.setattr(minimind.benchmark.time, "perf_counter", lambda: float(next(clock)))
+    ctx = types.SimpleNamespace(sizes=dict(serve_tokens=4, serve_requests=2, repeats=3), log=lambda line: None,
+                                server=lambda weights, engine: f"{weights} {engine}")
+    workloads = [w for w in peer_workloads() if w.row_id.startswith("peers-serve-") and w.row_id.endswith("-bf16")]
+    one, eight = minimind.benchmark.measure_serve(workloads, ctx)
+    assert started == [("app", "bf16 paged")]  # one server for both rows
+    # after one warm-up completion, three rounds: 1 then 8 clients, 8 then 1, 1 then 8; each client asks twice
+    assert completions[0] == PEER_PROMPT
+    sizes = [2, 16, 16, 2, 2, 16]
+    runs = [completions[1 + sum(sizes[:i]):1 + sum(sizes[:i + 1])] for i in range(len(sizes))]
+    assert [sorted({prompt.rsplit(" (", 1)[1] for prompt in run}) for run in runs[:2]] == [
+        ["0, 0)", "0, 1)"], [f"{i}, {k})" for i in range(8) for k in range(2)]]
+    assert [len({prompt.rsplit(" (", 1)[1].split(",")[0] for prompt in run}) for run in runs] == [1, 8, 8, 1, 1, 8]
+    assert one.tokens == 2 * 4 and eight.tokens == 8 * 2 * 4 and one.seconds == [1.0, 1.0, 1.0]
+    # The 8-client round that got 61 tokens of 64 is timed at its rate: 64 tokens in 64 / 61 s.
+    assert eight.seconds == [1.0, 64 / 61, 1.0]
+    assert eight.note == "64 of 64 tokens asked for, streaming, greedy, --engine paged"
+    assert paired_ratio(eight, one) == (8.0, 61 / 8, 8.0)
 
 
 def test_rows_are_timed_in_rounds_and_compared_within_each_round():
