@@ -1281,7 +1281,7 @@ def measure_serve(workloads, ctx):
             row.seconds.append(seconds * row.tokens / max(tokens, 1))
 
         _stream_completion(https[0], PEER_PROMPT, new)  # warm-up: the first step, the first pages
-        for round in range(ctx.sizes["repeats"]):
+        for round in range(ctx.settings.repeats or ctx.sizes["repeats"]):
             for row in (rows if round % 2 == 0 else rows[::-1]):
                 run(row)
         for http in https:
