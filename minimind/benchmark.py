@@ -1068,10 +1068,6 @@ def prepare_peer(w, ctx):
         if w.weights == "int8" and int8_missing():
             row.skipped = int8_missing()
             return row
-        if ctx.settings.quick and w.engine == "minimind compiled" and w.batch > 1 and w.weights != "fp32":
-            row.skipped = ("quick mode compiles the batched step in fp32 only (8-20 s a graph); the 16-bit and "
-                           "int8 ones are their batch-1 graphs at another batch size")
-            return row
         model = ctx.minimind(w.weights)
         if w.kind == "prefill":
             ids = torch.tensor([ctx.prefill_ids])
@@ -1082,7 +1078,10 @@ def prepare_peer(w, ctx):
 
             describe = lambda tokens: "forward, logits of the last position"  # noqa: E731
         elif w.engine == "minimind compiled":
-            run, describe = _compiled_decode(model, torch.tensor(prompts), new, w.weights)
+            # quick: only fp32 steps are compiled (12-20 s a graph for bf16 and int8, whose compiled steps
+            # tests/test_decode.py checks); the others run the same decoder with eager steps
+            compile = not ctx.settings.quick or w.weights == "fp32"
+            run, describe = _compiled_decode(model, torch.tensor(prompts), new, w.weights, compile)
         else:
             ids = torch.tensor(prompts)
             run = lambda: _minimind_greedy(model, ids, new)  # noqa: E731
@@ -1124,13 +1123,13 @@ FP32_PRODUCTS = {"plain": "unpacked one-row products", "mkl": "MKL-packed weight
                  "template": "inductor's C++ GEMM kernels"}
 
 
-def _compiled_decode(model, ids, new, weights):
+def _compiled_decode(model, ids, new, weights, compile=True):
     """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses): the greedy
     decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
-    `generate` at the same precision."""
+    `generate` at the same precision. `compile=False`: the same decoder with its steps run eagerly."""
     from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, fp32_product_kernel
 
-    decoder = CompiledDecoder(model)
+    decoder = CompiledDecoder(model, compile=compile)
 
     @torch.no_grad()
     def decode():
@@ -1145,8 +1144,9 @@ def _compiled_decode(model, ids, new, weights):
                                                  and "ATEN" in settings["max_autotune_gemm_backends"] else "")
         attention = (", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA
                      else "")
-        return (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, {products}"
-                f"{attention}, compiled in {decoder.compile_seconds:.0f} s; greedy tokens = plain {weights} generate: "
+        compiled = (f"torch.compile with freezing, merged projections, {products}{attention}, compiled in "
+                    f"{decoder.compile_seconds:.0f} s" if compile else f"steps run eagerly (quick mode){attention}")
+        return (f"CompiledDecoder: static cache, {compiled}; greedy tokens = plain {weights} generate: "
                 f"{shared} / {sum(map(len, plain))}")
 
     return decode, describe

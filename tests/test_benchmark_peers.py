@@ -14,7 +14,7 @@ from minimind.benchmark import (FP32_PRODUCTS, PEER_BATCH, PEER_COLUMNS, PEER_OU
 from minimind.data import build_dataset
 from minimind.decode import fp32_product_kernel
 
-from conftest import ROOT, TOKENIZER_DIR, load_script
+from conftest import ROOT, TOKENIZER_DIR, load_script, tiny_model
 
 MAIN_PART = "# MiniMind vs transformers' Qwen3 / Qwen3-MoE\n\n## Results\n\n| row |\n|---|\n| kept |\n"
 
@@ -88,20 +88,20 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     # generate at its own precision and how long compilation took.
     assert decode["peers-decode-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
     assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith("greedy tokens = plain fp32 generate: 8 / 8")
-    bf16 = report.row("peers-decode-minimind-compiled-bf16")
-    assert ("torch.compile with freezing, merged projections, prepacked weights, autotuned GEMMs, grouped-query "
-            "attention over the written cache, compiled in" in bf16.note)
-    assert bf16.note.endswith(" / 8")
     one_row = FP32_PRODUCTS[fp32_product_kernel(1)]  # this CPU maker's kernel
     assert (f"torch.compile with freezing, merged projections, {one_row}, grouped-query attention "
             "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note)
-    int8 = report.row("peers-decode-minimind-compiled-int8")
-    if int8_missing():
-        assert int8.skipped == int8_missing()
-    else:  # the 8-bit path: prepacked and autotuned like bf16, checked against the same model under generate
-        assert ("merged projections, prepacked weights, autotuned GEMMs, grouped-query attention over the written "
-                "cache, compiled in" in int8.note)
-        assert int8.note.endswith(" / 8") and "greedy tokens = plain int8 generate: " in int8.note
+    # Quick mode compiles fp32 steps only: the 16-bit and int8 rows run the same decoder's steps eagerly, at both
+    # batch sizes, each checked against generate at its own precision.
+    for weights in ("bf16", "int8"):
+        for batch in ("", f"b{PEER_BATCH}-"):
+            row = report.row(f"peers-decode-{batch}minimind-compiled-{weights}")
+            if weights == "int8" and int8_missing():
+                assert row.skipped == int8_missing()
+                continue
+            assert row.note.startswith("CompiledDecoder: static cache, steps run eagerly (quick mode), grouped-query "
+                                       f"attention over the written cache; greedy tokens = plain {weights} generate: ")
+            assert row.note.endswith(f" / {8 * (PEER_BATCH if batch else 1)}")
     if not llama_cpp_missing():
         def ratio_line(ours, theirs):
             a, b = report.row(ours), report.row(theirs)
@@ -118,9 +118,32 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
         assert report.row("peers-decode-llamacpp-f32").same_tokens == (8, 8)
         assert report.row("peers-decode-b8-llamacpp-f32").same_tokens == (64, 64)
         assert ratio_line("peers-decode-b8-minimind-compiled-fp32", "peers-decode-b8-llamacpp-f32") in text
-        # Quick mode compiles the batched step in fp32 only: no ratio line for a skipped row.
-        assert report.row("peers-decode-b8-minimind-compiled-bf16").skipped.startswith("quick mode compiles")
-        assert "peers-decode-b8-minimind-compiled-bf16 /" not in text
+        assert ratio_line("peers-decode-b8-minimind-compiled-bf16", "peers-decode-b8-llamacpp-f16") in text
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
+def test_compiled_decode_rows_describe_their_kernels(weights):
+    """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
+    until the row runs)."""
+    from minimind.benchmark import _compiled_decode, _minimind_greedy
+    from minimind.decode import quantize_weights_int8
+
+    if weights == "int8" and int8_missing():
+        pytest.skip(int8_missing())
+    model = tiny_model(std=0.3)
+    if weights != "fp32":
+        model = model.to(torch.bfloat16)
+    if weights == "int8":
+        quantize_weights_int8(model)
+    ids = torch.tensor([[5, 17, 3, 42]])
+    for rows in (ids, ids.repeat(PEER_BATCH, 1)):
+        _, describe = _compiled_decode(model, rows, 4, weights)
+        plain = _minimind_greedy(model, rows, 4)
+        products = (FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])] if weights == "fp32"
+                    else "prepacked weights, autotuned GEMMs")
+        assert describe(plain) == (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, "
+                                   f"{products}, grouped-query attention over the written cache, compiled in 0 s; "
+                                   f"greedy tokens = plain {weights} generate: {4 * rows.shape[0]} / {4 * rows.shape[0]}")
 
 
 def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losses(peers_run):
