@@ -430,18 +430,22 @@ def warm_up(fns, runs, device):
     return peaks, outputs
 
 
+def alternating_rounds(items, repeats):
+    """`items` once per round for `repeats` rounds, every other round backwards."""
+    for round in range(repeats):
+        yield from (items if round % 2 == 0 else items[::-1])
+
+
 def race(fns, repeats, device):
     """Seconds per call for each model, interleaved (and the order alternated) so that both see the same
     machine load."""
     times = {name: [] for name in fns}
-    for i in range(repeats):
-        order = list(fns.items())
-        for name, fn in (order if i % 2 == 0 else order[::-1]):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - start)
+    for name, fn in alternating_rounds(list(fns.items()), repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times[name].append(time.perf_counter() - start)
     return times
 
 
@@ -971,6 +975,11 @@ class PeerContext:
                                            generator=generator).tolist()
         self._models, self._ggufs, self._references, self._servers = {}, {}, {}, {}
 
+    @property
+    def repeats(self):
+        """Timed rounds of the decode, prefill and serve rows: --repeats, else this mode's default."""
+        return self.settings.repeats or self.sizes["repeats"]
+
     def minimind(self, weights):
         if weights not in self._models:
             model = MiniMindForCausalLM.from_pretrained(
@@ -1107,11 +1116,10 @@ def time_in_rounds(prepared, repeats, log):
     try:
         for p in prepared:
             p.run()
-        for round in range(repeats):
-            for p in (prepared if round % 2 == 0 else prepared[::-1]):
-                start = time.perf_counter()
-                p.run()
-                p.row.seconds.append(time.perf_counter() - start)
+        for p in alternating_rounds(prepared, repeats):
+            start = time.perf_counter()
+            p.run()
+            p.row.seconds.append(time.perf_counter() - start)
     finally:
         for p in prepared:
             p.close()
@@ -1281,9 +1289,8 @@ def measure_serve(workloads, ctx):
             row.seconds.append(seconds * row.tokens / max(tokens, 1))
 
         _stream_completion(https[0], PEER_PROMPT, new)  # warm-up: the first step, the first pages
-        for round in range(ctx.settings.repeats or ctx.sizes["repeats"]):
-            for row in (rows if round % 2 == 0 else rows[::-1]):
-                run(row)
+        for row in alternating_rounds(rows, ctx.repeats):
+            run(row)
         for http in https:
             http.close()
     for row in rows:
@@ -1448,7 +1455,7 @@ def run_peers(settings, threads, log=print, on_row=None):
             for p in prepared:
                 p.close()
             raise
-        time_in_rounds(prepared, settings.repeats or ctx.sizes["repeats"], log)
+        time_in_rounds(prepared, ctx.repeats, log)
         report_progress()
         for w in workloads:
             if w.kind == "sft":

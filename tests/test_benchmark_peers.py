@@ -287,8 +287,8 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
     clock = iter(range(1000))  # each reading one second after the last
     monkeypatch.setattr(minimind.benchmark, "_stream_completion", completion)
     monkeypatch.setattr(minimind.benchmark.time, "perf_counter", lambda: float(next(clock)))
-    ctx = types.SimpleNamespace(settings=BenchmarkSettings(repeats=3), sizes=dict(serve_tokens=4, serve_requests=2),
-                                log=lambda line: None, server=lambda weights, engine: f"{weights} {engine}")
+    ctx = types.SimpleNamespace(repeats=3, sizes=dict(serve_tokens=4, serve_requests=2), log=lambda line: None,
+                                server=lambda weights, engine: f"{weights} {engine}")
     workloads = [w for w in peer_workloads() if w.row_id.startswith("peers-serve-") and w.row_id.endswith("-bf16")]
     one, eight = minimind.benchmark.measure_serve(workloads, ctx)
     assert started == [("app", "bf16 paged")]  # one server for both rows
