@@ -45,7 +45,8 @@ setup(
         "int8": ["torchao>=0.18"],  # weight-only int8 decoding (minimind-chat --int8)
         "mutate": ["mutmut==3.8.1"],  # `make mutate`: mutation testing, not part of `make test`
         # playwright drives the system's chromium (apt install chromium) in the web page's browser test
-        "dev": ["pytest>=8", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26", "httpx>=0.27",
-                "lm-eval>=0.4.13", "gradio>=6.0", "playwright>=1.40", "torchao>=0.18"],
+        # pytest-xdist: `make test` runs the suite in two worker processes (PYTEST_WORKERS)
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26",
+                "httpx>=0.27", "lm-eval>=0.4.13", "gradio>=6.0", "playwright>=1.40", "torchao>=0.18"],
     },
 )

@@ -16,7 +16,10 @@ if ROOT not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Under pytest-xdist (`make test` runs one worker per core) the workers share the cores: OpenMP threads beyond a
+# worker's share would spin against the other workers' tests.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
 
 def torch_threads(count):
@@ -29,6 +32,18 @@ def torch_threads(count):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: costs more than 30 s on 2 CPU cores; deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "kernels: checks which kernels inductor picks for a compiled step, torch's "
+                                       "choice under any transformers release (the 5.17 leg leaves these out)")
+
+
+# The modules that take longest (50-140 s each on 2 cores: compiled decoding, every documented command, the browser,
+# the peers' table) start first, so that `make test`'s workers, which take one module at a time in collection order,
+# finish together instead of one of them starting the longest module last.
+LONGEST_MODULES = ("test_decode.py", "test_docs.py", "test_web.py", "test_benchmark_peers.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_MODULES)  # stable: the order within stays
 
 
 def tiny_config(**overrides):

@@ -127,9 +127,11 @@ def test_closing_a_stream_early_stops_generation(model_and_tokenizer):
 
 
 def test_chat_script_reads_stdin_until_eof(chat_model_dir):
+    # --no-compile: compiling the decoder would cost this process 15-30 s; tests/test_documented.py runs the
+    # command's compiled default.
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "chat.py"), "--model_name_or_path", chat_model_dir,
-         "--no-do_sample", "--max_new_tokens", "4", "--device", "cpu"],
+         "--no-do_sample", "--max_new_tokens", "4", "--device", "cpu", "--no-compile"],
         input="hi there\n/reset\nagain\n", capture_output=True, text=True, timeout=120,
         env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-2000:]

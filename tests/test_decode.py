@@ -352,6 +352,7 @@ def greedy_gap(model, ids, prompt_length):
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_compiled_bf16_with_frozen_weights_decodes_greedily():
     model = tiny_model(std=0.3).to(torch.bfloat16)
     decoder = CompiledDecoder(model)
@@ -385,6 +386,7 @@ class RecordProducts:
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own():
     """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
     down) and the LM head, against 7 per layer unmerged. The two decoders share no dynamo cache: with one graph
@@ -453,6 +455,7 @@ def fp32_products_of_steps(model, monkeypatch, intel, batch):
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model, monkeypatch):
     """The Intel table. fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step
     copies nothing; at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
@@ -492,6 +495,7 @@ def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_w
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_fp32_steps_on_amd_multiply_one_row_in_inductors_template_and_two_rows_with_onednn(model, monkeypatch):
     """The table for other makers (AMD), where MKL runs slow. At batch 1 the packed products are left for inductor,
     which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product); at batch 2 every
@@ -544,6 +548,7 @@ def test_int8_weights_refuse_fp32_and_name_torchao_when_missing(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 def test_compiled_int8_decodes_as_the_eager_int8_model():
     pytest.importorskip("torchao")
     from minimind.decode import quantize_weights_int8
