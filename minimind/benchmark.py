@@ -1088,7 +1088,7 @@ def prepare_peer(w, ctx):
             describe = lambda tokens: "forward, logits of the last position"  # noqa: E731
         elif w.engine == "minimind compiled":
             # quick: only fp32 steps are compiled (12-20 s a graph for bf16 and int8, whose compiled steps
-            # tests/test_decode.py checks); the others run the same decoder with eager steps
+            # tests/test_decode_kernels.py checks); the others run the same decoder with eager steps
             compile = not ctx.settings.quick or w.weights == "fp32"
             run, describe = _compiled_decode(model, torch.tensor(prompts), new, w.weights, compile)
         else:

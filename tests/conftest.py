@@ -32,14 +32,13 @@ def torch_threads(count):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: costs more than 30 s on 2 CPU cores; deselect with -m 'not slow'")
-    config.addinivalue_line("markers", "kernels: checks which kernels inductor picks for a compiled step, torch's "
-                                       "choice under any transformers release (the 5.17 leg leaves these out)")
 
 
-# The modules that take longest (50-140 s each on 2 cores: compiled decoding, every documented command, the browser,
-# the peers' table) start first, so that `make test`'s workers, which take one module at a time in collection order,
-# finish together instead of one of them starting the longest module last.
-LONGEST_MODULES = ("test_decode.py", "test_docs.py", "test_web.py", "test_benchmark_peers.py")
+# The modules that take longest (50-150 s each on 2 cores, more with a cold inductor cache: compiled decoding and its
+# kernels, every documented command, the browser, the peers' table) start first, so that `make test`'s workers, which
+# take one module at a time in collection order, finish together instead of one starting a long module last.
+LONGEST_MODULES = ("test_decode.py", "test_decode_kernels.py", "test_docs.py", "test_web.py",
+                   "test_benchmark_peers.py")
 
 
 def pytest_collection_modifyitems(config, items):

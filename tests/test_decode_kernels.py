@@ -1,0 +1,229 @@
+"""Which kernels a compiled decode step runs: the fp32 products each CPU maker's table picks, inductor's merged
+projections and frozen bf16 weights, int8 weights through torchao; each checked against generate's tokens.
+These depend on torch and the CPU alone, so the transformers 5.17 leg leaves them to the main one."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_decode import BATCH, PROMPT, batch_reference, greedy, reference
+
+import minimind.decode as decode
+from minimind.decode import CompiledDecoder, cpu_vendor, fp32_product_kernel
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(std=0.3)
+
+
+def greedy_gap(model, ids, prompt_length):
+    """How far each generated token's logit falls below the best one, by the model's own eager full forward:
+    0 everywhere for exact greedy; small where 16-bit kernels round a near tie the other way."""
+    with torch.no_grad():
+        logits = model(ids).logits[0, prompt_length - 1:-1].float()  # [new, V]
+    chosen = logits.gather(-1, ids[0, prompt_length:, None])[:, 0]
+    return (logits.max(-1).values - chosen).max().item()
+
+
+@pytest.mark.slow
+def test_compiled_bf16_with_frozen_weights_decodes_greedily():
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    decoder = CompiledDecoder(model)
+    assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
+    eager = CompiledDecoder(model, compile=False)
+    for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
+        out = decoder.generate(prompt, max_new_tokens=40, **greedy())
+        plain = eager.generate(prompt, max_new_tokens=40, **greedy())
+        assert torch.equal(out[:, :prompt.shape[1] + 20], plain[:, :prompt.shape[1] + 20])
+        assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two bf16 steps at these logits' size
+
+
+class RecordProducts:
+    """An inductor post-grad pass that records the matrix products of each graph it sees."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+        products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.mkl._mkl_linear,
+                    torch.ops.mkl._mkl_linear.default, torch.ops.mkldnn._linear_pointwise.default)
+        graphs = self.graphs = []
+
+        class Record(CustomGraphPass):
+            def __call__(self, graph):
+                graphs.append([str(node.target) for node in graph.nodes if node.target in products])
+
+            def uuid(self):
+                return get_hash_for_files((__file__,))
+
+        self.graph_pass = Record()
+
+
+@pytest.mark.slow
+def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own():
+    """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
+    down) and the LM head, against 7 per layer unmerged. The two decoders share no dynamo cache: with one graph
+    allowed per code object both compile, and their graphs, frozen weights included, go with them."""
+    import gc
+    import weakref
+
+    model = tiny_model(std=0.3)
+    layers = model.config.num_hidden_layers
+    decoders = []
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for merged, expected in ((True, 4 * layers + 1), (False, 7 * layers + 1)):
+            record = RecordProducts()
+            decoder = CompiledDecoder(model)
+            settings = decoder.inductor_settings(1) | {"cpp.enable_concat_linear": merged}
+            decoder.inductor_settings = lambda batch, settings=settings: settings
+            with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
+                out = decoder.generate(PROMPT, max_new_tokens=3, **greedy())
+            assert decoder.compiled and [len(products) for products in record.graphs] == [expected]
+            assert torch.equal(out, reference(model, 3, **greedy()))
+            decoders.append(decoder)
+    alive = weakref.ref(model)
+    del model, decoder, decoders
+    gc.collect()
+    assert alive() is None
+
+
+def test_fp32_products_take_the_kernel_measured_fastest_for_their_rows_on_each_cpu_maker():
+    rows = (1, 2, 3, 4, 8, 16)
+    assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
+    assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
+    assert decode.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
+
+
+def test_cpu_vendor_reads_cpuinfo_then_the_platform_string(monkeypatch):
+    import io
+
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    monkeypatch.setattr(decode, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    assert cpu_vendor() == "AuthenticAMD"
+
+    def no_file(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(decode, "open", no_file, raising=False)
+    monkeypatch.setattr(decode.platform, "processor", lambda: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel")
+    assert cpu_vendor() == "GenuineIntel"
+    monkeypatch.setattr(decode.platform, "processor", lambda: "arm")
+    assert cpu_vendor() == ""
+
+
+def fp32_products_of_steps(model, monkeypatch, intel, batch):
+    """A decoder compiled with one CPU maker's kernel table, run for 6 tokens on PROMPT and on `batch`, each checked
+    against generate: the decoder, PROMPT's output, the products of the two graphs, the first graph's code."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
+    record = RecordProducts()
+    decoder = CompiledDecoder(model)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
+        out, codes = run_and_get_code(decoder.generate, PROMPT, max_new_tokens=6, **greedy())
+        batched = decoder.generate(batch, max_new_tokens=6, **greedy())
+    assert torch.equal(out, reference(model, 6, **greedy()))
+    assert torch.equal(batched, batch_reference(model, 6, batch=batch, pad_token_id=0, **greedy()))
+    return decoder, out, record.graphs, codes
+
+
+@pytest.mark.slow
+def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model, monkeypatch):
+    """The Intel table. fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step
+    copies nothing; at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
+    from torch.profiler import profile
+
+    decoder, out, (single, batch), _ = fp32_products_of_steps(model, monkeypatch, True, torch.cat([BATCH, PROMPT]))
+    layers = model.config.num_hidden_layers
+    assert single == ["aten.mm.default"] * (4 * layers + 1)
+    assert batch == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
+    # Inductor's one-row views have strides (0, 1), which ATen's product copies before multiplying; the pass
+    # restrides them, so a step runs without a single copy.
+    cache = decoder._fresh_cache(1, PROMPT.shape[1] + 6)
+    decoder.generate(PROMPT, max_new_tokens=2, **greedy())
+    position = torch.tensor([PROMPT.shape[1] + 1])
+    cache_tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values, layer.cumulative_length)]
+    state = [tensor.clone() for tensor in cache_tensors]
+    with profile() as trace, torch.no_grad():
+        logits = decoder._next_logits(torch.tensor([[5]]), position, cache)
+    assert decoder._compiled_for is cache
+    assert [event.name for event in trace.events() if event.name == "aten::clone"] == []
+    # Between steps only the guards that tell graphs apart run; an input no graph was built for (a token with
+    # other strides) is caught and compiled for, instead of failing the reply.
+    strided = torch.tensor([[4, 5]])[:, 1:]
+    assert strided.stride() != (1, 1)
+    for tensor, saved in zip(cache_tensors, state):
+        tensor.copy_(saved)
+    with torch.no_grad():
+        assert torch.equal(decoder._next_logits(strided, position, cache), logits) and decoder.compiled
+    # The compile settings and the attention switch are entered for a new cache only: a reply of 6 tokens on the
+    # cache stepped last enters neither (patching them around each step cost 0.18 ms of a 64M fp32 token).
+    entered = []
+    for name in ("_compile_settings", "_step_kernel"):
+        original = getattr(decoder, name)
+        setattr(decoder, name, lambda *args, _name=name, _original=original: entered.append(_name) or _original(*args))
+    assert torch.equal(decoder.generate(PROMPT, max_new_tokens=6, **greedy()), out)
+    assert entered == []
+
+
+@pytest.mark.slow
+def test_fp32_steps_on_amd_multiply_one_row_in_inductors_template_and_two_rows_with_onednn(model, monkeypatch):
+    """The table for other makers (AMD), where MKL runs slow. At batch 1 the packed products are left for inductor,
+    which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product); at batch 2 every
+    product is oneDNN's packed one. Tokens are generate's either way."""
+    _, _, (single, pair), codes = fp32_products_of_steps(model, monkeypatch, False, BATCH[:2])
+    layers = model.config.num_hidden_layers
+    assert single == ["mkl._mkl_linear"] * (4 * layers + 1)
+    assert pair == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
+    code = "\n".join(codes)
+    assert "micro_gemm" in code and "mm_out" not in code and "_mkl_linear" not in code
+
+
+def test_int8_weights_quantize_every_decoder_projection_per_row():
+    pytest.importorskip("torchao")
+    from minimind.decode import quantize_weights_int8
+
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    before = {name: m.weight.detach().float().clone() for name, m in model.model.layers.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    quantize_weights_int8(model)
+    assert len(before) == 7 * model.config.num_hidden_layers
+    for name, module in model.model.layers.named_modules():
+        if name not in before:
+            continue
+        weight = module.weight
+        assert weight.qdata.dtype == torch.int8 and weight.qdata.shape == before[name].shape
+        scale = weight.scale.float().reshape(-1, 1)  # one per output row
+        assert scale.shape[0] == before[name].shape[0]
+        dequantized = weight.qdata.float() * scale
+        # Round-to-nearest on a symmetric per-row grid: each weight within half a step of the original.
+        assert (dequantized - before[name]).abs().le(scale / 2 + 1e-2 * scale).all()
+        x = torch.randn(3, before[name].shape[1], dtype=torch.bfloat16)
+        torch.testing.assert_close(module(x).float(), torch.nn.functional.linear(x.float(), dequantized),
+                                   atol=0.05, rtol=0.02)
+    assert torch.equal(model.model.embed_tokens.weight, embedding)  # embedding and tied head stay 16-bit
+    assert model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_int8_weights_refuse_fp32_and_name_torchao_when_missing(monkeypatch):
+    from minimind.decode import quantize_weights_int8
+
+    with pytest.raises(ValueError, match=r"int8 weights pair with 16-bit activations, but the model holds "
+                                         r"torch.float32: load it with dtype=torch.bfloat16 first"):
+        quantize_weights_int8(tiny_model())
+    monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)
+    with pytest.raises(ImportError, match=r"int8 weights use torchao, which is not installed .*"
+                                          r"pip install 'minimind\[int8\]'"):
+        quantize_weights_int8(tiny_model().to(torch.bfloat16))
+
+
+@pytest.mark.slow
+def test_compiled_int8_decodes_as_the_eager_int8_model():
+    pytest.importorskip("torchao")
+    from minimind.decode import quantize_weights_int8
+
+    model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
+    out = CompiledDecoder(model).generate(PROMPT, max_new_tokens=30, **greedy())
+    plain = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=30, **greedy())
+    assert torch.equal(out[:, :PROMPT.shape[1] + 15], plain[:, :PROMPT.shape[1] + 15])
+    assert greedy_gap(model, out, PROMPT.shape[1]) <= 0.0625
