@@ -16,7 +16,7 @@ if ROOT not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Under pytest-xdist (`make test` runs one worker per core) the workers share the cores: OpenMP threads beyond a
+# Under pytest-xdist (`make test` runs PYTEST_WORKERS=2 workers) the workers share the cores: OpenMP threads beyond a
 # worker's share would spin against the other workers' tests.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
