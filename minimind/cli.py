@@ -156,7 +156,7 @@ def _add_model_flags(parser):
 def _add_decode_flags(parser):
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="decode with the one-token step compiled against a static cache (default; the first "
-                             "reply waits 10-50 s for compilation on a CPU); --no-compile uses model.generate")
+                             "reply waits 10-60 s for compilation on a CPU); --no-compile uses model.generate")
     parser.add_argument("--int8", action="store_true",
                         help="weight-only int8 decoder layers (torchao; pip install 'minimind[int8]'), the rest "
                              "in bfloat16 unless --dtype float16: the fastest CPU decode")
