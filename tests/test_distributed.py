@@ -31,7 +31,9 @@ def launch_env():
 
 def run(command, timeout=300):
     result = subprocess.run(command, env=launch_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    # torch's pytree warnings (two per process and import) would fill the tail that shows why a rank failed
+    stderr = "\n".join(line for line in result.stderr.splitlines() if "_pytree.py" not in line)
+    assert result.returncode == 0, f"exit code {result.returncode}\n{result.stdout[-2000:]}\n{stderr[-6000:]}"
     return result
 
 
@@ -79,6 +81,10 @@ for path in paths:
     results[path] = dict(shards=shards, logits=logits, train_logits=output.logits.detach(),
                          loss=output.loss.detach(), grads=grads, generated=generated)
 torch.save(results, f"{out}.rank{dist.get_rank()}")
+# Both ranks are done before either closes its process group: a rank that exits with the group open can take
+# its peer down with it (gloo raises "connection closed by peer" in the peer's I/O thread, which aborts it).
+dist.barrier()
+dist.destroy_process_group()
 '''
 
 
