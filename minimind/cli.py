@@ -15,17 +15,18 @@ import sys
 
 
 def command(run):
-    """A command line: bad input data ends it with the message alone and exit code 2, no traceback. Called with
+    """A command line: bad input (`minimind.errors.InputError`: a path, a data line, a checkpoint) ends it with the
+    message alone and exit code 2, no traceback. Called with
     `argv` it returns what the command made; run as a program (argv=None) it returns None, because console
     scripts hand the return value to sys.exit, where anything else becomes an error exit."""
 
     @functools.wraps(run)
     def main(argv=None):
-        from minimind.data import DataFormatError
+        from minimind.errors import InputError
 
         try:
             result = run(argv)
-        except DataFormatError as error:
+        except InputError as error:
             print(f"error: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         return result if argv is not None else None

@@ -43,6 +43,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from minimind.errors import InputError
 from minimind.tokenizer import encode_conversation, render_conversation
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ KINDS = ("pretrain", "sft", "dpo")
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError):
     """A training file is malformed, or yields no usable examples."""
 
 
