@@ -13,13 +13,20 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, TextIO
 
 import torch
-from transformers import (AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList,
-                          TextIteratorStreamer)
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-import minimind  # noqa: F401  (registers MiniMind with the Auto classes, so local dirs load without remote code)
-from minimind.tokenizer import encode_conversation, load_tokenizer
+from minimind import loading
+from minimind.tokenizer import encode_conversation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# One reply length and one sampling default for the terminal chat, the web page and the server's requests.
+DEFAULT_MAX_NEW_TOKENS = 512
+CHAT_TEMPERATURE, CHAT_TOP_P = 0.7, 0.9
+
+
+def reply_room(max_new_tokens: int, prompt_tokens: int, context: int) -> int:
+    """`max_new_tokens` cut to the room the context leaves after the prompt; 0 when the prompt fills it."""
+    return max(0, min(max_new_tokens, context - prompt_tokens))
 
 
 def default_device() -> str:
@@ -28,13 +35,12 @@ def default_device() -> str:
 
 def load_model_and_tokenizer(model_name_or_path: str, device: str | None = None, dtype: str = "float32",
                              int8: bool = False):
-    """The model (eval mode, on `device`) and its tokenizer from one directory or Hub id. `int8`: the decoder
-    layers' weights in int8 (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that
-    says float32."""
-    tokenizer = load_tokenizer(model_name_or_path)
-    if int8 and dtype == "float32":
-        dtype = "bfloat16"
-    model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=DTYPES[dtype], trust_remote_code=True)
+    """The model (eval mode, on `device`) and its tokenizer from one MiniMind directory or Hub id, checked and
+    loaded with the installed classes (`minimind.loading`). `int8`: the decoder layers' weights in int8
+    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32."""
+    directory = loading.model_directory(model_name_or_path)
+    model = loading.load_model(directory, dtype=DTYPES["bfloat16" if int8 and dtype == "float32" else dtype])
+    tokenizer = loading.load_tokenizer(directory)
     model = model.to(device or default_device()).eval()
     if int8:
         from minimind.decode import quantize_weights_int8
@@ -87,7 +93,7 @@ def split_reasoning(text: str, *, started_in_reasoning: bool = False) -> tuple[s
 class SamplingParams:
     """What a caller may choose per request; `temperature == 0` or `do_sample=False` means greedy."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     do_sample: bool = True
     temperature: float = 1.0
     top_p: float = 1.0
@@ -272,7 +278,7 @@ def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | Non
             history.pop()
             print(f"(message too long for the {context}-token context)", file=out, flush=True)
             continue
-        turn_params = replace(params, max_new_tokens=min(params.max_new_tokens, context - len(prompt_ids)))
+        turn_params = replace(params, max_new_tokens=reply_room(params.max_new_tokens, len(prompt_ids), context))
         printer, interrupted = _ReplyPrinter(out), False
         try:
             for piece in TextStream(model, tokenizer, prompt_ids, turn_params, decoder=decoder):

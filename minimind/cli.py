@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 
 
@@ -176,11 +177,11 @@ def chat(argv=None):
     parser = _parser(chat.__doc__)
     _add_model_flags(parser)
     parser.add_argument("--system_prompt", default=None)
-    parser.add_argument("--max_new_tokens", type=int, default=512)
+    parser.add_argument("--max_new_tokens", type=int, default=engine.DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=True,
                         help="sample (default) or, with --no-do_sample, decode greedily")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top_p", type=float, default=0.9)
+    parser.add_argument("--temperature", type=float, default=engine.CHAT_TEMPERATURE)
+    parser.add_argument("--top_p", type=float, default=engine.CHAT_TOP_P)
     parser.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
     parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
                         help="let the model reason in a <think> block, shown apart from the answer (default); "
@@ -218,7 +219,7 @@ def serve(argv=None):
     _add_model_flags(parser)
     parser.add_argument("--served_model_name", default=None,
                         help="the `model` name clients must send (default: the directory's name)")
-    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines")
+    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (with --api_key)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api_key", default=os.environ.get("MINIMIND_API_KEY") or None,
                         help="require `Authorization: Bearer <key>` (default: $MINIMIND_API_KEY; unset: no key)")
@@ -235,6 +236,8 @@ def serve(argv=None):
                         help="requests in progress at once; more get 429 with Retry-After")
     parser.add_argument("--request_timeout", type=float, default=limits.request_timeout,
                         help="seconds a request may take; then its generation stops and it gets a 504")
+    parser.add_argument("--max_request_bytes", type=int, default=limits.max_request_bytes,
+                        help="largest request body in bytes; a larger one gets 413 before it is read or parsed")
     parser.add_argument("--kv_cache_tokens", type=int, default=None,
                         help="tokens the paged KV cache holds for all requests together; requests that do not fit "
                              "wait (default: every admitted request at full context, at most "
@@ -253,7 +256,7 @@ def serve(argv=None):
                                   max_prompt_tokens=args.max_prompt_tokens,
                                   max_concurrent_requests=args.max_concurrent_requests,
                                   request_timeout=args.request_timeout, kv_cache_tokens=args.kv_cache_tokens,
-                                  max_batch=args.max_batch)
+                                  max_batch=args.max_batch, max_request_bytes=args.max_request_bytes)
     model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
     try:
@@ -264,36 +267,57 @@ def serve(argv=None):
     if args.engine == "compiled" and args.compile:
         print(f"compiling the decode step for batches of {generator.engine.batch_sizes} rows ...", flush=True)
         print(f"compiled in {generator.engine.warm_up():.0f} s", flush=True)
+    if not args.api_key and not serving.is_loopback_host(args.host):
+        address = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"warning: serving on {address}:{args.port} without --api_key: anyone who can reach this port can use "
+              "the model; pass --api_key (or set MINIMIND_API_KEY)", file=sys.stderr, flush=True)
     serving.serve(serving.create_app(generator, api_key=args.api_key or None), host=args.host, port=args.port)
 
 
 @command
 def web(argv=None):
     """Chat with a MiniMind checkpoint in the browser (Gradio, `pip install "minimind[web]"`): streamed replies,
-    the reasoning of a <think> reply folded, sampling controls, a system prompt and the model directory on the page.
+    the reasoning of a <think> reply folded, sampling controls, a system prompt and a choice of model on the page.
 
-    minimind-web --model_name_or_path runs/sft          # then open http://127.0.0.1:7860
+    minimind-web --model_name_or_path runs/demo/sft          # then open http://127.0.0.1:7860
+    minimind-web --model_name_or_path runs/a --model_name_or_path runs/b --host 0.0.0.0 --auth me:secret
+
+    Visitors choose among the models named here; the page never loads a path typed into it.
     """
     from minimind import web as page
-    from minimind.chat import SamplingParams
+    from minimind.chat import CHAT_TEMPERATURE, CHAT_TOP_P, DEFAULT_MAX_NEW_TOKENS, DTYPES, SamplingParams
+    from minimind.serving import is_loopback_host
 
     parser = _parser(web.__doc__)
-    _add_model_flags(parser)
+    parser.add_argument("--model_name_or_path", action="append", required=True,
+                        help="a MiniMind directory (or Hub id) with tokenizer; repeat it to offer several models")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--system_prompt", default=None)
-    parser.add_argument("--max_new_tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.7, help="the page's starting value; 0 = greedy")
-    parser.add_argument("--top_p", type=float, default=0.9)
+    parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    parser.add_argument("--temperature", type=float, default=CHAT_TEMPERATURE,
+                        help="the page's starting value; 0 = greedy")
+    parser.add_argument("--top_p", type=float, default=CHAT_TOP_P)
     parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
                         help="the page's starting value of 'Let the model think'")
-    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (no auth!)")
+    parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (with --auth)")
     parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--auth", metavar="USER:PASSWORD", default=os.environ.get("MINIMIND_WEB_AUTH") or None,
+                        help="ask visitors for this user name and password (Gradio's login; default: "
+                             "$MINIMIND_WEB_AUTH; unset: no login)")
     _add_decode_flags(parser)
     args = parser.parse_args(argv)
+    user, colon, password = (args.auth or "").partition(":")
+    if args.auth is not None and not (user and colon and password):
+        parser.error("--auth takes USER:PASSWORD, both non-empty")
+    if not is_loopback_host(args.host) and args.auth is None:
+        print(f"warning: the page is served on {args.host}:{args.port} without --auth: anyone who can reach this "
+              "port can chat with the model; pass --auth USER:PASSWORD", file=sys.stderr, flush=True)
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     app = page.build_app(args.model_name_or_path, device=args.device, dtype=args.dtype, defaults=defaults,
                          system_prompt=args.system_prompt, enable_thinking=args.enable_thinking,
                          compile=args.compile, int8=args.int8)
-    page.launch(app, host=args.host, port=args.port)
+    page.launch(app, host=args.host, port=args.port, auth=(user, password) if args.auth else None)
     return app
 
 
@@ -338,9 +362,11 @@ def push_to_hub(argv=None):
     minimind-push --model_name_or_path runs/sft --repo_id you/minimind-sft
     minimind-push --model_name_or_path runs/sft --repo_id you/minimind-sft --tokenizer_name_or_path tokenizer --private
 
+    minimind-push --model_name_or_path runs/sft --repo_id you/minimind-sft --dry_run   # list, upload nothing
+
     Log in first (`hf auth login`) or pass --token / set HF_TOKEN.
     """
-    from minimind.hub import DEFAULT_LICENSE, push_model_dir
+    from minimind.hub import DEFAULT_LICENSE, describe_plan, push_model_dir, upload_plan
 
     parser = _parser(push_to_hub.__doc__)
     parser.add_argument("--model_name_or_path", required=True, help="directory written by save_pretrained")
@@ -351,7 +377,12 @@ def push_to_hub(argv=None):
     parser.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
     parser.add_argument("--license", default=DEFAULT_LICENSE, help="license id for the model card")
     parser.add_argument("--commit_message", default="Upload MiniMind model")
+    parser.add_argument("--dry_run", action="store_true", help="list the files and the model card, upload nothing")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        plan = upload_plan(args.model_name_or_path, args.repo_id, args.tokenizer_name_or_path, license=args.license)
+        print("\n".join([f"would upload to {args.repo_id} (nothing sent):", *describe_plan(plan)]))
+        return plan
     commit = push_model_dir(args.model_name_or_path, args.repo_id, tokenizer_dir=args.tokenizer_name_or_path,
                             private=args.private or None, token=args.token, license=args.license,
                             commit_message=args.commit_message)

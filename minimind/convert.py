@@ -20,11 +20,79 @@ from pathlib import Path
 
 import torch
 
+from minimind.errors import InputError
+
 # Upstream config names that MiniMind (like Qwen3-MoE) spells differently.
 _UPSTREAM_RENAMES = {"n_routed_experts": "num_experts", "aux_loss_alpha": "router_aux_loss_coef"}
 _ROPE_TABLE_BUFFERS = ("freqs_cos", "freqs_sin")
 # Wrappers that prefix every key when a model is saved from torch.compile or DistributedDataParallel.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """A path the import needs does not exist: one line from the command, and a FileNotFoundError to callers."""
+
+
+def _short_reason(error):
+    """The first sentence of what a loader said: torch wraps a weights-only refusal in paragraphs of advice."""
+    text = str(error).split("WeightsUnpickler error:")[-1]
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "").split(". ")[0].rstrip(".")
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def read_torch_file(path):
+    """torch.load(path) weights-only (no code from the file runs); each way that fails is an InputError that names
+    the file and what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingInputError(f"{path}: no such file. Fix: check the path of the upstream checkpoint (--pth).")
+    if path.is_dir():
+        raise InputError(f"{path} is a directory, not a .pth file. Fix: pass the .pth file, or --from upstream-hf "
+                         "for a directory that upstream's save_pretrained wrote.")
+    try:
+        if path.stat().st_size == 0:
+            raise EOFError("the file is empty")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as error:
+        if "Unsupported global" in str(error):
+            raise InputError(f"{path} holds Python objects besides tensors, which a weights-only load refuses so "
+                             f"that no code from the file runs ({_short_reason(error)}). Fix: save the state dict "
+                             "alone: torch.save(model.state_dict(), path).") from None
+        raise InputError(f"{path} is not a readable PyTorch checkpoint (truncated or not a torch.save file): "
+                         f"{_short_reason(error)}") from None
+
+
+def read_safetensors_file(path):
+    """safetensors' load_file(path); a missing, truncated or damaged file is an InputError naming it."""
+    from safetensors.torch import load_file
+
+    from modeling_minimind import safetensors_problem
+
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"{path}: no such file. Fix: copy the complete upstream directory again.")
+    try:
+        problem = safetensors_problem(path)  # header and length only: names a truncation by its sizes
+        if problem is None:
+            return load_file(str(path))
+    except MemoryError:
+        raise
+    except Exception as error:
+        problem = _short_reason(error)
+    raise InputError(f"{path} is not a readable safetensors file (truncated or damaged): {problem}. Fix: copy or "
+                     "download it again.")
+
+
+def _read_json(path, what):
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MissingInputError(f"{path}: no such file. Fix: check the path of {what}.") from None
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+        raise InputError(f"{path} is not readable JSON ({_short_reason(error)}). Fix: pass {what} as upstream "
+                         "wrote it.") from None
 
 
 def config_from_upstream_settings(settings):
@@ -47,9 +115,9 @@ def config_from_upstream_settings(settings):
 def load_upstream_state_dict(path):
     """The checkpoint's tensors (weights_only load: no code from the file runs), wrapper prefixes removed and
     RoPE tables dropped."""
-    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    state_dict = read_torch_file(path)
     if not isinstance(state_dict, dict) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
-        raise ValueError(f"{path} is not a plain state dict (name -> tensor) as upstream MiniMind saves it.")
+        raise InputError(f"{path} is not a plain state dict (name -> tensor) as upstream MiniMind saves it.")
     return _strip_wrappers_and_rope_tables(state_dict)
 
 
@@ -112,9 +180,9 @@ def _write_minimind_dir(state_dict, config, output_dir, tokenizer_name_or_path=N
 
 def read_settings_json(path):
     """Upstream settings from a JSON file: a config dict, e.g. upstream's `MiniMindConfig(...).to_dict()`."""
-    settings = json.loads(Path(path).read_text(encoding="utf-8"))
+    settings = _read_json(path, "a JSON object of config settings (--config_json)")
     if not isinstance(settings, dict):
-        raise ValueError(f"{path} must hold a JSON object of config settings.")
+        raise InputError(f"{path} must hold a JSON object of config settings.")
     for transformers_bookkeeping in ("architectures", "auto_map", "model_type", "transformers_version", "dtype",
                                      "torch_dtype"):
         settings.pop(transformers_bookkeeping, None)
@@ -133,20 +201,21 @@ _FIRST_LAYER = "model.layers.0."
 def load_upstream_directory_weights(upstream_dir):
     """The tensors of an upstream directory: model.safetensors, its shards (model.safetensors.index.json), or
     pytorch_model.bin (loaded weights_only), with wrapper prefixes and RoPE tables removed as for a `.pth`."""
-    from safetensors.torch import load_file
-
     upstream_dir = Path(upstream_dir)
     index = upstream_dir / "model.safetensors.index.json"
     if (upstream_dir / "model.safetensors").is_file():
-        state_dict = load_file(str(upstream_dir / "model.safetensors"))
+        state_dict = read_safetensors_file(upstream_dir / "model.safetensors")
     elif index.is_file():
+        weight_map = _read_json(index, "the sharded weights' index")
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise InputError(f"{index} has no 'weight_map' object. Fix: copy the complete upstream directory again.")
         state_dict = {}
-        for shard in sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())):
-            state_dict.update(load_file(str(upstream_dir / shard)))
+        for shard in sorted(set(map(str, weight_map["weight_map"].values()))):
+            state_dict.update(read_safetensors_file(upstream_dir / shard))
     elif (upstream_dir / "pytorch_model.bin").is_file():
         return load_upstream_state_dict(upstream_dir / "pytorch_model.bin")
     else:
-        raise FileNotFoundError(f"{upstream_dir} has no model.safetensors, model.safetensors.index.json or "
+        raise MissingInputError(f"{upstream_dir} has no model.safetensors, model.safetensors.index.json or "
                                 f"pytorch_model.bin. Fix: pass the directory upstream's save_pretrained wrote "
                                 f"(for a .pth file use --pth).")
     return _strip_wrappers_and_rope_tables(state_dict)
@@ -156,7 +225,7 @@ def settings_from_upstream_directory(config_json, state_dict):
     """MiniMind settings for an upstream directory: its config.json, plus what only the tensors tell (q/k norm,
     MLP widths, an untied head) and MiniMind2's top-1 routing rule. Raises ValueError for a directory that is
     not upstream MiniMind's."""
-    settings = json.loads(Path(config_json).read_text(encoding="utf-8"))
+    settings = _read_json(config_json, "the upstream directory's config.json")
     model_type = settings.get("model_type") if isinstance(settings, dict) else None
     if model_type != "minimind":
         raise ValueError(f"{config_json}: model_type is {model_type!r}, not 'minimind'. Fix: pass "
@@ -192,8 +261,14 @@ def convert_upstream_directory(upstream_dir, output_dir, tokenizer_name_or_path=
     from minimind.export import TOKENIZER_FILES
 
     upstream_dir = Path(upstream_dir)
+    if not upstream_dir.is_dir():
+        fix = ("Fix: with --from upstream-hf pass the directory that upstream's save_pretrained wrote (for a .pth "
+               "file leave --from out).")
+        if upstream_dir.exists():
+            raise InputError(f"{upstream_dir} is a file, not a directory. {fix}")
+        raise MissingInputError(f"{upstream_dir}: no such directory. {fix}")
     if not (upstream_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{upstream_dir} has no config.json. Fix: pass the directory upstream's "
+        raise MissingInputError(f"{upstream_dir} has no config.json. Fix: pass the directory upstream's "
                                 f"save_pretrained wrote (for a .pth file use --pth).")
     if not tokenizer_name_or_path and not (upstream_dir / "tokenizer.json").is_file():
         raise ValueError(f"{upstream_dir} has no tokenizer.json, and a checkpoint is only useful with the tokenizer "

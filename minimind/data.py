@@ -129,7 +129,50 @@ def _check_conversation(messages: Any, key: str) -> None:
                         'add a reply {"role": "assistant", "content": "..."}')
 
 
+# Far deeper than any training row needs. Deeper rows would fail later, outside the line-numbered checks: in
+# json.dumps, the chat template or Arrow (RecursionError), and json.loads itself refuses beyond the recursion limit.
+MAX_NESTING = 100
+_SKIP_HINT = "or pass --skip_bad_lines to skip such lines"
+
+
+def _where(path: tuple) -> str:
+    return "".join(f"[{step!r}]" for step in path) or "the row"
+
+
+def _check_strings_and_nesting(row: Any) -> None:
+    """Raise _RowError for a string (value or key, at any depth) that is not valid Unicode, or for nesting deeper
+    than MAX_NESTING. JSON's \\ud800-style escapes can spell lone surrogates, which json.loads accepts but which
+    no UTF-8 encoder (the tokenizer, Arrow) does, so they must be named here, with the line. Iterative, so that
+    the walk itself cannot run out of stack."""
+    stack = [(row, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_NESTING:
+            raise _RowError(f"arrays/objects nested more than {MAX_NESTING} levels deep",
+                            f"flatten the line (no training format nests that deep), {_SKIP_HINT}")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                _check_unicode(key, f"a key in {_where(path)}")
+                stack.append((item, (*path, key)))
+        elif isinstance(value, list):
+            stack.extend((item, (*path, i)) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_unicode(value, f"the string at {_where(path)}")
+
+
+def _check_unicode(text: Any, where: str) -> None:
+    if not isinstance(text, str) or text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _RowError(f"{where} is not valid Unicode (lone surrogate {text[error.start]!r} at character "
+                        f"{error.start}, from a \\uXXXX escape that is half of a pair)",
+                        f"replace the escape with the intended character, {_SKIP_HINT}") from None
+
+
 def _check_row(row: Any, kind: str) -> None:
+    _check_strings_and_nesting(row)
     if not isinstance(row, dict):
         raise _RowError(f"expected a JSON object, got {_type_name(row)}",
                         _EXAMPLES[kind])
@@ -218,6 +261,11 @@ def _read_numbered_rows(path: str | Path, kind: str, skip_bad_lines: bool) -> tu
                     raise _RowError(f"invalid JSON ({e.msg} at column {e.colno})",
                                     "check for unbalanced quotes/brackets or a trailing comma; "
                                     "each line must be one complete JSON object") from None
+                except RecursionError:
+                    raise _RowError(f"arrays/objects nested more than {MAX_NESTING} levels deep",
+                                    f"flatten the line (no training format nests that deep), {_SKIP_HINT}") from None
+                except ValueError as e:  # e.g. an integer of more digits than Python converts
+                    raise _RowError(f"invalid JSON ({e})", f"shorten or quote the value, {_SKIP_HINT}") from None
                 _check_row(row, kind)
             except UnicodeDecodeError:
                 error = _RowError("not valid UTF-8", "re-save the file as UTF-8")
@@ -382,12 +430,26 @@ def build_sft_dataset(
     Rows whose assistant tokens are all cut off by truncation are dropped (with
     a warning naming their first line numbers).  Batch them with :func:`collator`.
     """
+    from jinja2 import TemplateError
+
     rows, lines, _ = _read_numbered_rows(path, "sft", skip_bad_lines)
+    unrenderable = []
 
     def encode(batch, indices):
         out = {"input_ids": [], "labels": [], "attention_mask": [], "line": []}
         for conversation, tools, index in zip(batch["conversations"], batch["tools"], indices):
-            example = encode_chat(tokenizer, json.loads(conversation), json.loads(tools), max_seq_length)
+            try:
+                example = encode_chat(tokenizer, json.loads(conversation), json.loads(tools), max_seq_length)
+            except (TemplateError, ValueError, TypeError, KeyError, IndexError, RecursionError) as error:
+                # A row that passed validation but that the chat template refuses (e.g. one that opens with the
+                # assistant's reply): still this line's problem, named with its number, not a traceback mid-map.
+                message = (f"{path}, line {lines[index]}: the chat template cannot render this conversation "
+                           f"({type(error).__name__}: {' '.join(str(error).split())}). Fix: check the order of the "
+                           f"roles (open with a system or user message), {_SKIP_HINT}.")
+                if not skip_bad_lines:
+                    raise DataFormatError(message) from None
+                unrenderable.append((lines[index], message))
+                continue
             if _has_targets(example["labels"]):
                 for key in ("input_ids", "labels", "attention_mask"):
                     out[key].append(example[key])
@@ -397,6 +459,13 @@ def build_sft_dataset(
     source = _chat_source(rows)
     dataset = source.map(encode, batched=True, with_indices=True, remove_columns=source.column_names,
                          desc="tokenising SFT chats")
+    if unrenderable:
+        first = unrenderable[0][1]
+        logger.warning("skipped %d more bad line(s) in %s (first: %s)", len(unrenderable), path, first)
+        if len(unrenderable) == len(rows):
+            raise DataFormatError(f"{path}: no valid sft examples (every line is malformed; first: {first})")
+        skipped = {line for line, _ in unrenderable}
+        lines = [line for line in lines if line not in skipped]
     # A map that keeps no row returns no columns at all.
     _drop_report(path, "sft", lines, dataset["line"] if len(dataset) else [], max_seq_length)
     return dataset.remove_columns("line")

@@ -2,8 +2,7 @@
 
 It pretrains a small MiniMind on the bundled corpus and fine-tunes it on the bundled chats with the training
 commands themselves (the exact `minimind-pretrain` / `minimind-sft` command lines are printed), reloads the saved
-directory with `AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)` and asks the README's
-questions, checking each greedy answer against what the bundled data teaches.
+directory as every MiniMind command loads a model (`minimind.loading`) and asks the README's questions, checking each greedy answer against what the bundled data teaches.
 
 Nothing depends on the clock: steps, seeds, data order and the thread count are fixed, so on one machine every run
 gives the same loss tables and answers however busy the machine is; only the time taken changes. (The thread
@@ -91,12 +90,12 @@ def _train(name, run, argv):
 
 
 def ask(model_dir, questions, max_new_tokens):
-    """[(question, greedy reply, correct)] from the model directory reloaded through the Auto classes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """[(question, greedy reply, correct)] from the model directory reloaded as every MiniMind command loads one
+    (`minimind.loading`: checked, with the installed classes)."""
+    from minimind.loading import load_model, load_tokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    print(f"\nreloaded {type(model).__name__} from {model_dir} (AutoModelForCausalLM, trust_remote_code=True)")
+    model, tokenizer = load_model(model_dir, dtype=torch.float32, hub=False), load_tokenizer(model_dir, hub=False)
+    print(f"\nreloaded {type(model).__name__} from {model_dir}")
     answers = []
     for question in questions:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": question.text}],

@@ -1,7 +1,7 @@
 """Evaluate a MiniMind directory: lm-evaluation-harness tasks plus a tool-calling score, in one results table.
 
-lm-eval does the scoring (`lm_eval.simple_evaluate`, its `hf` backend on the directory with
-`trust_remote_code=True`), so any of its tasks runs for users who have the data. The bundled task
+lm-eval does the scoring (`lm_eval.simple_evaluate`, its `hf` backend given the model as `minimind.loading`
+checked and loaded it, no code from the directory), so any of its tasks runs for users who have the data. The bundled task
 `minimind_facts` needs no Hub: its YAML ships in `minimind/eval_tasks/` (registered with a `TaskManager`
 `include_path`) and its data, `data/eval_facts.jsonl`, is made deterministically from the bundled preference
 pairs. The tool-calling score is ours, because lm-eval has no task that renders `tools` into a chat template:
@@ -110,9 +110,11 @@ def task_manager(tasks, extra_include_paths=()):
 
 
 def run_lm_eval(model_dir, tasks=(FACTS_TASK,), *, limit=None, batch_size=8, device="cpu", dtype="float32",
-                apply_chat_template=True, num_fewshot=None, log_samples=False, include_paths=(), metadata=None):
-    """lm-eval's `simple_evaluate` on a MiniMind directory through its `hf` backend; returns lm-eval's results
-    dict (with per-sample records under "samples" when `log_samples`)."""
+                apply_chat_template=True, num_fewshot=None, log_samples=False, include_paths=(), metadata=None,
+                loaded=None):
+    """lm-eval's `simple_evaluate` on a MiniMind directory through its `hf` backend (`HFLM`), given the model
+    as MiniMind's loader checks and loads it (`loaded`: an already loaded (model, tokenizer)); returns lm-eval's
+    results dict (with per-sample records under "samples" when `log_samples`)."""
     try:
         import lm_eval
     except ImportError as error:
@@ -123,8 +125,13 @@ def run_lm_eval(model_dir, tasks=(FACTS_TASK,), *, limit=None, batch_size=8, dev
     if unknown:
         raise ValueError(f"lm-eval knows no task {unknown}. Fix: use a name from `lm-eval ls tasks`, "
                          f"{FACTS_TASK!r} (bundled), or --include_path a directory holding its YAML.")
-    model_args = {"pretrained": str(model_dir), "trust_remote_code": True, "dtype": dtype, "device": device}
-    return lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=list(tasks), limit=limit,
+    from lm_eval.models.huggingface import HFLM
+
+    from minimind.chat import load_model_and_tokenizer
+
+    model, tokenizer = loaded or load_model_and_tokenizer(model_dir, device, dtype)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
+    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit,
                                    batch_size=batch_size, num_fewshot=num_fewshot, task_manager=manager,
                                    apply_chat_template=apply_chat_template, log_samples=log_samples,
                                    metadata=metadata, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
@@ -285,10 +292,13 @@ class EvalSettings:
 def evaluate(settings: EvalSettings, log=print):
     """Run the lm-eval tasks and the tool-calling score; print and (unless told not to) write the table.
     Returns the rows [(task, metric, value, stderr)]."""
+    from minimind.chat import load_model_and_tokenizer
+
     rows, details = [], {"model": str(settings.model_dir), "limit": settings.limit,
                          "apply_chat_template": settings.apply_chat_template}
+    model, tokenizer = load_model_and_tokenizer(settings.model_dir, settings.device, settings.dtype)
     if settings.tasks:
-        results = run_lm_eval(settings.model_dir, settings.tasks, limit=settings.limit,
+        results = run_lm_eval(settings.model_dir, settings.tasks, limit=settings.limit, loaded=(model, tokenizer),
                               batch_size=settings.batch_size, device=settings.device, dtype=settings.dtype,
                               apply_chat_template=settings.apply_chat_template, num_fewshot=settings.num_fewshot,
                               include_paths=settings.include_paths)
@@ -296,9 +306,6 @@ def evaluate(settings: EvalSettings, log=print):
         details["lm_eval_version"] = results.get("lm_eval_version")
         details["n_samples"] = {task: counts.get("effective") for task, counts in results.get("n-samples", {}).items()}
     if settings.tool_calling:
-        from minimind.chat import load_model_and_tokenizer
-
-        model, tokenizer = load_model_and_tokenizer(settings.model_dir, settings.device, settings.dtype)
         score = tool_calling_score(tool_prompts(limit=settings.tool_limit),
                                    greedy_reply(model, tokenizer, settings.max_new_tokens))
         rows.append((TOOL_CALLING, "call_acc", score.score, None))

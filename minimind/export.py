@@ -33,10 +33,10 @@ def copy_tokenizer_files(src_dir, dst_dir):
 
 
 def load_minimind(model_name_or_path, dtype="auto"):
-    """Load a MiniMind checkpoint with the repo's own classes (no remote code), in its saved dtype."""
-    from modeling_minimind import MiniMindForCausalLM
+    """A MiniMind checkpoint, checked and loaded with the installed classes (no remote code), in its saved dtype."""
+    from minimind.loading import load_model
 
-    return MiniMindForCausalLM.from_pretrained(model_name_or_path, dtype=dtype).eval()
+    return load_model(model_name_or_path, dtype=dtype)
 
 
 def _refuse(target, field, value, why):

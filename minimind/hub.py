@@ -9,6 +9,7 @@ huggingface_hub's `HfApi.create_repo` + `create_commit`.
 import json
 from pathlib import Path
 
+from minimind.errors import InputError
 from minimind.export import TOKENIZER_FILES
 
 DEFAULT_LICENSE = "apache-2.0"
@@ -36,8 +37,10 @@ def _read_json(path):
 # ----------------------------------------------------------------------------------------------------------
 
 def files_to_upload(model_dir, tokenizer_dir=None):
-    """{path in repo: local path} for a publishable model directory; ValueError listing every problem."""
+    """{path in repo: local path} for a publishable model directory; an InputError listing every problem."""
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise InputError(f"no such directory: {model_dir}")
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else model_dir
     problems = []
     files = {name: model_dir / name for name in _MODEL_FILES if (model_dir / name).is_file()}
@@ -69,7 +72,7 @@ def files_to_upload(model_dir, tokenizer_dir=None):
             not _read_json(files["tokenizer_config.json"]).get("chat_template"):
         problems.append("the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
     if problems:
-        raise ValueError("Cannot publish " + str(model_dir) + ":\n- " + "\n- ".join(problems))
+        raise InputError("Cannot publish " + str(model_dir) + ":\n- " + "\n- ".join(problems))
     return files
 
 
@@ -211,15 +214,36 @@ A MiniMind model: a small decoder-only language model of the Llama/Qwen3 family
 # Upload
 # ----------------------------------------------------------------------------------------------------------
 
+def upload_plan(model_dir, repo_id, tokenizer_dir=None, license=DEFAULT_LICENSE) -> dict[str, bytes | Path]:
+    """{path in repo: local file, or the model card's bytes for README.md}: what a push would upload."""
+    files = dict(files_to_upload(model_dir, tokenizer_dir))
+    files["README.md"] = str(build_model_card(model_dir, repo_id, license=license)).encode("utf-8")
+    return files
+
+
+def describe_plan(plan: dict[str, bytes | Path]) -> list[str]:
+    """One line per file of an upload plan: its path in the repository and its size."""
+    sizes = {name: len(source) if isinstance(source, bytes) else source.stat().st_size for name, source in plan.items()}
+    width = max(map(len, plan))
+    return [f"  {name:<{width}}  {sizes[name]:>12,} bytes" for name in plan] + [
+        f"  {len(plan)} files, {sum(sizes.values()):,} bytes"]
+
+
 def push_model_dir(model_dir, repo_id, tokenizer_dir=None, private=None, token=None, license=DEFAULT_LICENSE,
                    commit_message="Upload MiniMind model"):
-    """Create (or reuse) `repo_id` and upload the model directory plus its card in one commit."""
+    """Create (or reuse) `repo_id` and upload the model directory plus its card in one commit. A Hub that cannot
+    be reached (offline, refused, no rights) is an InputError in one line; nothing is uploaded then."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    files = files_to_upload(model_dir, tokenizer_dir)
-    card = build_model_card(model_dir, repo_id, license=license)
+    plan = upload_plan(model_dir, repo_id, tokenizer_dir, license=license)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=source if isinstance(source, bytes)
+                                     else str(source)) for name, source in plan.items()]
     api = HfApi()
-    repo = api.create_repo(repo_id, private=private, token=token, exist_ok=True)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in files.items()]
-    operations.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=str(card).encode("utf-8")))
-    return api.create_commit(repo.repo_id, operations, commit_message=commit_message, token=token)
+    try:
+        repo = api.create_repo(repo_id, private=private, token=token, exist_ok=True)
+        return api.create_commit(repo.repo_id, operations, commit_message=commit_message, token=token)
+    except Exception as error:  # the network's and the Hub's errors alike: the user's fix is the same
+        cause = type(error).__name__ + (f": {str(error).strip().splitlines()[0]}" if str(error).strip() else "")
+        raise InputError(f"could not publish to {repo_id} on the Hub ({cause}). Fix: check the network, "
+                         "HF_HUB_OFFLINE and your token (hf auth login); --dry_run shows what would be uploaded") \
+            from None

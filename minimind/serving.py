@@ -9,20 +9,24 @@ batched decode steps over all active sequences, new ones join between steps, and
 sequence: transformers' continuous batching (`BatchEngine`, paged KV cache, the default) or compiled steps over a
 static cache with a row per sequence (`CompiledBatchEngine`, `--engine compiled`). A request whose client goes
 away, or that outlives `request_timeout`, is cancelled in the engine before its next step. Limits (`ServerLimits`)
-bound each request; `Admission` turns away requests beyond the concurrency limit with a 429. See
-docs/ecosystem-serve.md.
+bound each request; `BodyLimit` turns away a body over `max_request_bytes` with a 413 before it is parsed;
+`Admission` turns away requests beyond the concurrency limit with a 429. Prompts are rendered and tokenized in
+worker threads (`_Tokenizers`), off the event loop. See docs/ecosystem-serve.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
+import ipaddress
 import json
 import math
 import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Literal
@@ -36,29 +40,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import GenerationConfig, TextStreamer
 
 from minimind.decode import RowCache, RowDecoder, choose_tokens, sampling_warpers
-from minimind.chat import THINK_CLOSE, THINK_OPEN, SamplingParams, StopStringCutter, chat_prompt_ids, split_reasoning
+from minimind.chat import (DEFAULT_MAX_NEW_TOKENS, THINK_CLOSE, THINK_OPEN, SamplingParams, StopStringCutter,
+                           chat_prompt_ids, reply_room, split_reasoning)
+from minimind.tokenizer import render_conversation
 
-DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Requests (unknown OpenAI fields such as `user` or `presence_penalty` are accepted and ignored)
+# Requests (unknown OpenAI fields such as `user` or `presence_penalty` are accepted and ignored). Numbers and
+# flags are strict: pydantic's lax mode reads `true` as 1, 2.0 as 2 and "yes" as true, so a client's type mistake
+# would silently become another request. Floats still take integers, which JSON writers emit for whole numbers.
 # ----------------------------------------------------------------------------------------------------------
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # the newer name of max_tokens
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # not OpenAI's, but vLLM's and llama.cpp's; 0 = no top-k filter
-    n: int = Field(default=1, ge=1)  # the upper bound is the server's --max_n
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)  # the newer name of max_tokens
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, strict=True)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, strict=True)
+    top_k: int = Field(default=0, ge=0, strict=True)  # not OpenAI's, but vLLM's and llama.cpp's; 0 = no top-k filter
+    n: int = Field(default=1, ge=1, strict=True)  # the upper bound is the server's --max_n
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(default=False, strict=True)
     stream_options: dict | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, strict=True)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -131,6 +139,94 @@ def _timed_out(seconds: float) -> APIError:
                     type="timeout_error", code="request_timeout")
 
 
+def _request_too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes "
+                         "(--max_request_bytes). Send a shorter prompt.", code="request_too_large")
+
+
+def _texts(value, path: str):
+    """(field path, string) for every string a request holds, the path in the error's `param` form
+    ("messages.0.content"). `stream_options` is a free-form dict nobody reads as text: not walked."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            if name != "stream_options":
+                yield from _texts(getattr(value, name), f"{path}.{name}" if path else name)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _texts(item, f"{path}.{index}")
+
+
+def check_unicode(request: BaseModel) -> None:
+    """A 400 naming the field for text that is not valid Unicode: JSON's escape "\\ud800" (or the same three
+    bytes raw) decodes to a lone surrogate, which neither the tokenizer nor a UTF-8 response can take."""
+    for path, text in _texts(request, ""):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise APIError(400, f"Invalid value for '{path}': the text is not valid Unicode (a lone surrogate, "
+                                f"U+{ord(text[error.start]):04X}, at character {error.start}). Surrogate escapes "
+                                "(\\ud800-\\udfff) must come in high-low pairs.", param=path,
+                           code="invalid_value") from None
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets the 413 before anything reads or parses it; by its
+    Content-Length at once, and a chunked one as soon as the bytes received pass the limit. A body within the limit
+    is read here and handed on whole, so the app's own body parsing reads it once.
+
+    The 413 closes the connection: the rest of a refused body is never read, and a kept-alive connection would
+    read it as the next request."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees that as usual
+                return await self.app(scope, _replay([message], receive), send)
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            size += len(chunk)
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            chunks.append(chunk)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _refuse(self, scope, receive, send):
+        error = _request_too_large(self.limit)
+        error.headers = {"Connection": "close"}
+        await error.response()(scope, receive, send)
+
+
+def _replay(messages: list[dict], receive):
+    """A `receive` that returns `messages` first, then what the client sends next (its disconnect)."""
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+
+    return replayed
+
+
+def _body_parse_error(exc: StarletteHTTPException) -> APIError | None:
+    """The OpenAI error for a body FastAPI could not parse, by what its generic 400 wraps: JSON nested deeper than
+    the decoder recurses, or bytes that are not UTF-8."""
+    cause = exc.__cause__
+    if isinstance(cause, RecursionError):
+        return APIError(400, "The request body is not valid JSON here: it is nested too deeply.",
+                        code="invalid_json")
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, "The request body is not valid JSON: it is not UTF-8 text.", code="invalid_json")
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Limits and admission
 # ----------------------------------------------------------------------------------------------------------
@@ -148,6 +244,7 @@ class ServerLimits:
     request_timeout: float = 600.0          # seconds; a request still generating then is cancelled
     kv_cache_tokens: int | None = None      # the KV cache's size; default: see `check`
     max_batch: int = 8                      # sequences one compiled step decodes together (`--engine compiled`)
+    max_request_bytes: int = 1 << 20        # a larger request body gets 413 before it is parsed
 
     # The default cache: enough for every admitted request at full context, but no more than this many tokens
     # (about 0.5 GB for the 64M default model) unless two contexts need more.
@@ -162,7 +259,7 @@ class ServerLimits:
         prompt = self.max_prompt_tokens or context - 1
         for name, value, low in (("default_max_tokens", self.default_max_tokens, 1), ("max_tokens", self.max_tokens, 1),
                                  ("max_n", self.max_n, 1), ("max_concurrent_requests", self.max_concurrent_requests, 1),
-                                 ("max_batch", self.max_batch, 1),
+                                 ("max_batch", self.max_batch, 1), ("max_request_bytes", self.max_request_bytes, 1),
                                  ("max_prompt_tokens", prompt, 1)):
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
@@ -182,7 +279,8 @@ class ServerLimits:
             raise ValueError(f"kv_cache_tokens ({cache}) must hold two full contexts (2 x max_context = "
                              f"{2 * context}). Fix: raise --kv_cache_tokens or lower --max_context")
         return ServerLimits(context, self.default_max_tokens, self.max_tokens, self.max_n, prompt,
-                            self.max_concurrent_requests, self.request_timeout, cache, self.max_batch)
+                            self.max_concurrent_requests, self.request_timeout, cache, self.max_batch,
+                            max_request_bytes=self.max_request_bytes)
 
 
 class Admission:
@@ -572,6 +670,9 @@ class Generator:
         self.limits = limits.check(model.config.max_position_embeddings)
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.max_context = self.limits.max_context
+        # A text longer than this is certainly over max_prompt_tokens: refused without tokenizing it.
+        per_token = max_chars_per_token(tokenizer)
+        self.max_prompt_chars = per_token * self.limits.max_prompt_tokens if per_token else None
         if engine == "paged":
             self.engine = BatchEngine(model, tokenizer, self.max_context, cache_tokens=self.limits.kv_cache_tokens)
         elif engine == "compiled":
@@ -584,6 +685,16 @@ class Generator:
             self.engine = CompiledBatchEngine(model, tokenizer, self.max_context, self.limits.max_batch, compile)
         else:
             raise ValueError(f"engine must be one of {', '.join(self.ENGINES)}, got {engine!r}")
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """The 400 for a prompt whose `chars` characters are more than `max_prompt_tokens` tokens however it is
+        tokenized; nothing where that is not certain."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            limits = self.limits
+            raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens and prompts "
+                                f"may have at most {limits.max_prompt_tokens}; the {param} has {chars} characters, "
+                                f"more than {limits.max_prompt_tokens} tokens however it is tokenized. Shorten it.",
+                           param=param, code="context_length_exceeded")
 
     def sampling_params(self, request: _Sampling, prompt_tokens: int, param: str) -> SamplingParams:
         """Per-request sampling settings, or the APIError for a request beyond the server's limits."""
@@ -599,11 +710,27 @@ class Generator:
         if request.n > limits.max_n:
             raise APIError(400, f"n is too large: {request.n}. This server allows at most {limits.max_n} choices "
                                 "per request (--max_n).", param="n", code="invalid_value")
-        room = limits.max_context - prompt_tokens
         # A completion that would not fit in the context is not an error: it ends there with "length".
-        return SamplingParams(max_new_tokens=min(wanted or limits.default_max_tokens, room),
+        return SamplingParams(max_new_tokens=reply_room(wanted or limits.default_max_tokens, prompt_tokens,
+                                                        limits.max_context),
                               do_sample=request.temperature > 0, temperature=request.temperature,
                               top_p=request.top_p, top_k=request.top_k, stop=request.stop_list())
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of text one token can stand for, where that is certain; None elsewhere.
+
+    A BPE without an unknown token (byte-level BPE needs none; a fused unknown token could swallow any run of
+    characters) and without a normalizer (one could fold several characters into one) gives tokens whose vocabulary
+    entries are at least as long as the text they cover: byte-level entries have one character per byte, and a
+    character is at least one byte. An added token covers its own content, unless it strips the spaces around it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or model.unk_token is not None or backend.normalizer is not None:
+        return None
+    if any(token.lstrip or token.rstrip for token in tokenizer.added_tokens_decoder.values()):
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=None)
 
 
 class _Job:
@@ -706,6 +833,53 @@ class ClientGone(Exception):
 # The app
 # ----------------------------------------------------------------------------------------------------------
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only: 127.0.0.0/8, ::1 (also written
+    [::1] or as ::ffff:127.x.y.z) or localhost. Anything else, a host name or an empty string included, may be
+    reachable from other machines."""
+    name = host.strip().lower()
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    if name in ("localhost", "localhost."):
+        return True
+    try:
+        address = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+class _Tokenizers:
+    """Renders and tokenizes prompts off the event loop, so that a long prompt does not hold up every other request,
+    in a few threads with a copy of the tokenizer each: a fast tokenizer keeps per-call settings (whether special
+    tokens are split: chat messages yes, raw prompts no) in the one Rust object it wraps, so two threads tokenizing
+    through one copy can each get the other's setting, and a chat message could then open a turn of its own."""
+
+    THREADS = 4
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _own(self):
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tokenizer
+
+    async def run(self, work, *args):
+        """`work(tokenizer, *args)` in one of the threads."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="minimind-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: work(self._own(), *args))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
 def _api_key_check(api_key: str | None):
     async def check(request: Request):
         if api_key is None:
@@ -721,17 +895,23 @@ def _api_key_check(api_key: str | None):
 
 
 def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app; with `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`."""
+    """The FastAPI app; with `api_key`, every /v1 route needs `Authorization: Bearer <api_key>`, and the
+    interactive docs and the OpenAPI schema (/docs, /redoc, /openapi.json) are not served: a browser fetches the
+    schema without the key. Request bodies over `generator.limits.max_request_bytes` get a 413 unread."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty; pass None to serve without a key")
     admission = Admission(generator.limits.max_concurrent_requests)
+    tokenizers = _Tokenizers(generator.tokenizer)
 
     async def lifespan(app):
         generator.engine.start()
         yield
         generator.engine.stop()
+        tokenizers.close()
 
-    app = FastAPI(title="MiniMind OpenAI-compatible server", lifespan=asynccontextmanager(lifespan))
+    no_docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if api_key is not None else {}
+    app = FastAPI(title="MiniMind OpenAI-compatible server", lifespan=asynccontextmanager(lifespan), **no_docs)
+    app.add_middleware(BodyLimit, limit=generator.limits.max_request_bytes)
     app.state.admission, app.state.generator = admission, generator
     router = APIRouter(dependencies=[Depends(_api_key_check(api_key))])
 
@@ -750,6 +930,8 @@ def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if (error := _body_parse_error(exc)) is not None:
+            return error.response()
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=error_type).response()
 
@@ -787,22 +969,35 @@ def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
             "usage": _usage(job.prompt_tokens, job.completion_tokens),
         }
 
+    def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+        if generator.max_prompt_chars is not None and \
+                sum(len(message["content"]) for message in messages) > generator.max_prompt_chars:
+            # Only the rendered text is certain to reach the model: a template may leave parts of messages out.
+            rendered = render_conversation(tokenizer, messages, add_generation_prompt=True)
+            generator.check_prompt_chars(sum(len(text) for text, _ in rendered), "messages")
+        return chat_prompt_ids(tokenizer, messages)
+
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_unicode(body)
         check_model(body.model)
         messages = [message.as_template_message() for message in body.messages]
-        job = _Job(generator, body, [chat_prompt_ids(generator.tokenizer, messages)], param="messages")
+        job = _Job(generator, body, [await tokenizers.run(chat_ids, messages)], param="messages")
         return await respond(request, job, chat=True)
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        check_unicode(body)
         check_model(body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts or not all(prompts):
             raise APIError(400, "The prompt must be a non-empty string (or a list of them).", param="prompt",
                            code="invalid_value")
+        for prompt in prompts:
+            generator.check_prompt_chars(len(prompt), "prompt")
         # Raw text: no chat template, no bos (the tokenizer never adds special tokens by itself).
-        job = _Job(generator, body, [generator.tokenizer(p)["input_ids"] for p in prompts], param="prompt")
+        ids = await tokenizers.run(lambda tokenizer: [tokenizer(prompt)["input_ids"] for prompt in prompts])
+        job = _Job(generator, body, ids, param="prompt")
         return await respond(request, job, chat=False)
 
     app.include_router(router)

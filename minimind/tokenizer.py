@@ -402,17 +402,24 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def load_tokenizer(path: str | Path):
-    """Load a saved tokenizer with AutoTokenizer and check the fixed special ids."""
+    """Load a saved tokenizer with AutoTokenizer and check the fixed special ids. Code named by a tokenizer_config's
+    auto_map is never run (MiniMind's tokenizer is transformers' own fast tokenizer)."""
     from transformers import AutoTokenizer
+
+    from minimind.errors import InputError
 
     # Without tokenizer.json, transformers falls back to converting a slow tokenizer and asks for
     # sentencepiece or tiktoken, which hides the real problem: files missing from the directory.
     missing = [name for name in TOKENIZER_FILES if not (Path(path) / name).is_file()]
     if Path(path).is_dir() and missing:
-        raise FileNotFoundError(
+        raise InputError(
             f"{path}: tokenizer file(s) {', '.join(missing)} missing. Fix: copy them from the "
             f"directory the model was trained with (every saved MiniMind model and the bundled "
             f"tokenizer/ directory have them).")
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    except ValueError as error:  # a tokenizer class that only code shipped in the directory defines
+        raise InputError(f"{path}: its tokenizer cannot be loaded without running code from the directory, "
+                         f"which MiniMind commands never do ({str(error).splitlines()[0]})") from None
     check_special_ids(tokenizer)
     return tokenizer

@@ -17,6 +17,7 @@ saved with `minimind.tokenizer.save_tokenizer` (class PreTrainedTokenizerFast), 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import math
@@ -40,6 +41,8 @@ from configuration_minimind import MiniMindConfig
 # Importing the minimind package registers MiniMind with the Auto classes (used by from_config below).
 from minimind.data import build_dataset, collator, read_jsonl, split_train_eval
 from minimind.distributed import restore_model_code, shard_for_cpu_fsdp
+from minimind.errors import InputError
+from minimind.loading import load_model, load_native_causal_lm
 from minimind.tokenizer import load_tokenizer as _load_checked_tokenizer
 from minimind.tokenizer import save_tokenizer
 from modeling_minimind import safetensors_problem
@@ -112,7 +115,8 @@ class LoraArguments:
 @dataclass
 class DistillArguments:
     teacher_name_or_path: str | None = field(default=None, metadata={
-        "help": "Teacher: any causal LM loadable by AutoModelForCausalLM with the student's vocabulary."})
+        "help": "Teacher: a MiniMind directory, or a model of an architecture transformers ships (no remote "
+                "code), with the student's vocabulary."})
     temperature: float = field(default=2.0, metadata={"help": "Softens both distributions in the KL term."})
     alpha: float = field(default=0.5, metadata={
         "help": "loss = alpha * T^2 * KL(teacher || student) + (1 - alpha) * cross-entropy on the labels."})
@@ -245,8 +249,8 @@ def build_config(model_args, tokenizer):
 
 def load_causal_lm(name_or_path):
     # fp32 master weights whatever the checkpoint dtype (transformers 5 defaults to the checkpoint's);
-    # --bf16 then trains with autocast.
-    return AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=True, dtype=torch.float32)
+    # --bf16 then trains with autocast. The model is training's to change: out of eval mode.
+    return load_model(name_or_path, dtype=torch.float32).train()
 
 
 def build_model(model_args, tokenizer):
@@ -326,17 +330,22 @@ class HFDirectoryMixin:
         self._staging_root = str(staging_root)
         try:
             super()._save_checkpoint(model, trial)
+        except Exception as error:
+            raise self._full_disk_error(error, run_dir, staging_root, name) or error
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()  # every rank has written its RNG (and sharded) state
         if not self.args.should_save:
             return
         best = self.state.best_model_checkpoint
-        if best is not None and Path(best).parent == staging_root:
-            # Trainer recorded the staging path as the best checkpoint; record where it will live instead.
-            self.state.best_model_checkpoint = str(run_dir / Path(best).name)
-            self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
-        _fsync_tree(staged)  # so that a power cut cannot reorder the rename before the data
+        try:
+            if best is not None and Path(best).parent == staging_root:
+                # Trainer recorded the staging path as the best checkpoint; record where it will live instead.
+                self.state.best_model_checkpoint = str(run_dir / Path(best).name)
+                self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
+            _fsync_tree(staged)  # so that a power cut cannot reorder the rename before the data
+        except Exception as error:
+            raise self._full_disk_error(error, run_dir, staging_root, name) or error
         if final.exists():
             os.replace(final, replaced)
         os.replace(staged, final)
@@ -345,6 +354,101 @@ class HFDirectoryMixin:
         # Trainer rotated inside the staging directory (a no-op); rotate the real checkpoints now that N exists.
         rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _full_disk_error(self, error, run_dir, staging_root, name):
+        """The InputError for a checkpoint save that failed on a full filesystem (None for any other failure, which
+        keeps its traceback). The staged files are removed: they are no checkpoint, and the room they take is what
+        the user must find."""
+        need, basis = self._checkpoint_size_estimate(run_dir)
+        if not disk_is_full(error, run_dir, need):
+            return None
+        if self.args.should_save:
+            shutil.rmtree(staging_root, ignore_errors=True)
+        previous = checkpoint_dirs(run_dir)
+        kept = (f"The newest earlier checkpoint, {previous[max(previous)].name}, is intact." if previous else
+                "No checkpoint was saved before it.")
+        return full_disk_error(error, run_dir, f"{name} (the unfinished save was removed)", need, basis, kept)
+
+    def _checkpoint_size_estimate(self, run_dir):
+        """(bytes, what that figure is) for one checkpoint: the newest one's size, else the model's parameters plus
+        the optimizer's state tensors."""
+        steps = checkpoint_dirs(run_dir)
+        if steps:
+            newest = steps[max(steps)]
+            return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()), f"the size of {newest.name}"
+        tensors = list(self.model.parameters())
+        if self.optimizer is not None:
+            tensors += [value for state in self.optimizer.state.values() for value in state.values()
+                        if torch.is_tensor(value)]
+        return sum(t.numel() * t.element_size() for t in tensors), "the model's parameters plus optimizer state"
+
+
+def disk_is_full(error, directory, need):
+    """Whether a save into `directory` failed for want of space. An OSError says so by errno, safetensors (a Rust
+    writer) only in its message, and torch.save's zip writer not at all (its RuntimeError names a stream position),
+    so less free room than the save needs counts too."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if "No space left on device" in str(error) or "Disk quota exceeded" in str(error):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < need
+    except OSError:
+        return False
+
+
+def _size(count):
+    for unit in ("bytes", "kB", "MB", "GB"):
+        if count < 1000:
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"
+
+
+def full_disk_error(error, directory, what, need, basis, kept):
+    """One line for the user: which filesystem is full, how much the save needs and has, what survived, the fix."""
+    cause = " ".join(str(error).split())
+    cause = f"{type(error).__name__}: {cause[:200]}{'...' if len(cause) > 200 else ''}"
+    return InputError(f"no space left on the filesystem of {directory}: saving {what} failed ({cause}). It needs "
+                      f"about {_size(need)} ({basis}); {_size(shutil.disk_usage(directory).free)} is free. {kept} "
+                      "Fix: free space there, or pass an --output_dir on a larger filesystem (copying the "
+                      "checkpoints along), then rerun with --resume_from_checkpoint last.")
+
+
+# What a checkpoint holds for resuming only (names, or the start of names of files and of sharded directories).
+RESUME_ONLY_FILES = ("optimizer", "scheduler", "scaler", "rng_state", TRAINER_STATE_NAME)
+
+
+def _file_stamps(directory):
+    return {path.name: (stat.st_ino, stat.st_size, stat.st_mtime_ns) for path in Path(directory).iterdir()
+            if path.is_file() and (stat := path.stat())} if Path(directory).is_dir() else {}
+
+
+def save_final_model(trainer, output_dir):
+    """trainer.save_model(output_dir), with a full disk an InputError. The files this save had written are removed
+    then: a half-written model.safetensors, or new weights beside an older run's config, would load as neither."""
+    before = _file_stamps(output_dir)
+    try:
+        trainer.save_model(output_dir)
+    except Exception as error:
+        steps = checkpoint_dirs(output_dir)
+        if steps:  # the final directory is a checkpoint without what only a resume reads
+            newest = steps[max(steps)]
+            need = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file() and not
+                       f.relative_to(newest).parts[0].startswith(RESUME_ONLY_FILES))
+            basis = f"{newest.name} without its optimizer, scheduler and RNG state"
+        else:
+            need = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+            basis = "the model's parameters alone"
+        if not disk_is_full(error, output_dir, need):
+            raise
+        if trainer.args.should_save:
+            for name, stamp in _file_stamps(output_dir).items():
+                if before.get(name) != stamp:
+                    (Path(output_dir) / name).unlink(missing_ok=True)
+        kept = "Its checkpoints are intact." if steps else "No checkpoint was saved."
+        raise full_disk_error(error, output_dir, "the final model (its partial files were removed)", need, basis,
+                              kept) from error
 
 
 def _fsync_tree(path, files=True):
@@ -377,9 +481,12 @@ def _safetensors_problem(path):
     return f"{path.name} is damaged ({problem})" if problem else None
 
 
-def _torch_file_problem(path):
+def _torch_file_problem(path, load=False):
     """None if `path` is a complete torch.save file. torch.save writes a zip archive whose central directory is at
-    the very end, so a truncated file is no readable archive; checked without unpickling or loading tensors."""
+    the very end, so a truncated file is no readable archive; checked without unpickling or loading tensors. With
+    load=True (the small scheduler, scaler and RNG files) it is also loaded as Trainer loads it (weights_only, with
+    Trainer's numpy allowlist for the RNG state), so damage inside a whole archive is caught here too, not as a
+    pickle traceback after the model is built."""
     if not path.is_file():
         return f"{path.name} is missing"
     try:
@@ -387,7 +494,30 @@ def _torch_file_problem(path):
             archive.infolist()
     except (zipfile.BadZipFile, OSError) as error:
         return f"{path.name} is damaged (not a complete torch.save file: {error})"
+    if load:
+        from transformers.trainer_pt_utils import safe_globals
+
+        try:
+            with safe_globals():
+                torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001 - whatever the unpickler raises, the file cannot be resumed from
+            # The weights_only unpickler wraps its reason in paragraphs about trusting the file; keep the reason.
+            text = str(error).split("WeightsUnpickler error:")[-1]
+            reason = next((line.strip() for line in text.splitlines() if line.strip()), "")
+            return f"{path.name} is damaged (torch.load fails: {type(error).__name__}: {reason})"
     return None
+
+
+# JSON files that Trainer (config.json) or PEFT (adapter_config.json) read on resume when they are present.
+CONFIG_FILES = ("config.json", "adapter_config.json")
+
+
+def _json_object_problem(path):
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
+        return f"{path.name} is damaged ({error})"
+    return None if isinstance(value, dict) else f"{path.name} is damaged (not a JSON object)"
 
 
 def _weights_problems(path):
@@ -427,12 +557,15 @@ def checkpoint_problems(path, training_args=None, scaler=False):
     scheduler.pt (it silently starts a fresh optimizer if either is missing), the RNG state of every process
     (rng_state.pth, or rng_state_<rank>.pth per process of a multi-process run; missing ones only log at info
     level), and scaler.pt when the run uses a gradient scaler (fp16). Under DeepSpeed the weights, optimizer and
-    scheduler are DeepSpeed's own files, which DeepSpeed checks. Without `training_args`: a full single- or
-    multi-process checkpoint."""
+    scheduler are DeepSpeed's own files, which DeepSpeed checks. config.json (adapter_config.json for LoRA) is read
+    when present, so it must then be a JSON object. Without `training_args`: a full single- or multi-process
+    checkpoint."""
     path = Path(path)
     if not path.is_dir():
         return ["it is not a directory"]
     problems = [problem for problem in [_trainer_state_problem(path)] if problem]
+    problems += [problem for name in CONFIG_FILES if (path / name).exists()
+                 and (problem := _json_object_problem(path / name))]
     deepspeed = bool(getattr(training_args, "deepspeed", None))
     if not deepspeed:
         problems += _weights_problems(path)
@@ -444,16 +577,16 @@ def checkpoint_problems(path, training_args=None, scaler=False):
             child.is_dir() and "optimizer" in child.name for child in path.iterdir())
         if (path / OPTIMIZER_FILE).exists() or not other_optimizer:
             problems.append(_torch_file_problem(path / OPTIMIZER_FILE))
-        problems.append(_torch_file_problem(path / SCHEDULER_FILE))
+        problems.append(_torch_file_problem(path / SCHEDULER_FILE, load=True))
     if training_args is None:
         rng_files = sorted(path.glob("rng_state*.pth")) or [path / "rng_state.pth"]
     elif training_args.world_size > 1:
         rng_files = [path / f"rng_state_{rank}.pth" for rank in range(training_args.world_size)]
     else:
         rng_files = [path / "rng_state.pth"]
-    problems += [_torch_file_problem(rng_file) for rng_file in rng_files]
+    problems += [_torch_file_problem(rng_file, load=True) for rng_file in rng_files]
     if scaler and not deepspeed:
-        problems.append(_torch_file_problem(path / SCALER_FILE))
+        problems.append(_torch_file_problem(path / SCALER_FILE, load=True))
     return [problem for problem in problems if problem]
 
 
@@ -489,7 +622,7 @@ def latest_complete_checkpoint(output_dir, training_args=None, scaler=False):
 def resolve_resume_checkpoint(training_args, scaler=False):
     """--resume_from_checkpoint PATH, or 'last' (also true/auto/latest): the newest complete checkpoint in
     --output_dir (see `checkpoint_problems`); starts fresh with a warning when there is no checkpoint yet, so the
-    same command can be rerun. Raises ValueError for an incomplete PATH, and for 'last' when checkpoints exist
+    same command can be rerun. Raises InputError for an incomplete PATH, and for 'last' when checkpoints exist
     but none is complete: neither may silently lose the state they hold."""
     value = training_args.resume_from_checkpoint
     if not value:
@@ -499,7 +632,7 @@ def resolve_resume_checkpoint(training_args, scaler=False):
         if checkpoint is None:
             damaged = [str(path) for _, path in sorted(checkpoint_dirs(training_args.output_dir).items())]
             if damaged:
-                raise ValueError(
+                raise InputError(
                     f"--resume_from_checkpoint {value}: no checkpoint in {training_args.output_dir} is complete "
                     f"({', '.join(damaged)}; the warnings above name the missing or damaged files). Fix: restore "
                     "those files, or move the checkpoint directories away to start from scratch.")
@@ -507,7 +640,7 @@ def resolve_resume_checkpoint(training_args, scaler=False):
         return checkpoint
     problems = checkpoint_problems(value, training_args, scaler)
     if problems:
-        raise ValueError(f"--resume_from_checkpoint {value}: not a complete checkpoint: {'; '.join(problems)}. "
+        raise InputError(f"--resume_from_checkpoint {value}: not a complete checkpoint: {'; '.join(problems)}. "
                          "Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest "
                          "complete checkpoint.")
     return value
@@ -616,7 +749,7 @@ def train_and_save(trainer, training_args):
     uses_scaler = getattr(trainer.accelerator, "scaler", None) is not None
     checkpoint = resolve_resume_checkpoint(training_args, scaler=uses_scaler)
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    trainer.save_model(training_args.output_dir)
+    save_final_model(trainer, training_args.output_dir)
     metrics = dict(result.metrics)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
@@ -718,7 +851,7 @@ def run_distill(model_args, data_args, distill_args, training_args):
     """Knowledge distillation from --teacher_name_or_path into the student (--model_name_or_path or size flags)."""
     if not distill_args.teacher_name_or_path:
         raise ValueError("no teacher. Fix: pass --teacher_name_or_path DIR_OR_ID")
-    teacher = load_causal_lm(distill_args.teacher_name_or_path)
+    teacher = load_native_causal_lm(distill_args.teacher_name_or_path, dtype=torch.float32)
     return run_training(distill_args.data_kind, model_args, data_args, training_args,
                         trainer_class=DistillationTrainer, teacher_model=teacher,
                         temperature=distill_args.temperature, alpha=distill_args.alpha)

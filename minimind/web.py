@@ -1,6 +1,8 @@
 """A chat page in the browser for a MiniMind checkpoint: the engine behind `minimind-web` (Gradio).
 
-The page is a `gr.ChatInterface` with the sampling controls, a system prompt and the model directory beside it.
+The page is a `gr.ChatInterface` with the sampling controls, a system prompt and a choice among the models the
+command was started with beside it. A visitor picks a model by its name on the page and never types a path: no
+input from the page reaches a loader, and messages shown on the page name no file.
 Replies stream through the same `TextStream` as the terminal chat and the server; a reply's
 ``<think>...</think>`` block is shown as a folded "Thinking" section above the answer. Gradio is an optional
 dependency (`pip install "minimind[web]"`): it is imported only when a page is built, so the message helpers here
@@ -9,13 +11,19 @@ work without it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
+from pathlib import Path
 
-from minimind.chat import SamplingParams, TextStream, chat_prompt_ids, load_model_and_tokenizer, split_reasoning
+from minimind import loading
+from minimind.chat import (CHAT_TEMPERATURE, CHAT_TOP_P, SamplingParams, TextStream, chat_prompt_ids,
+                           load_model_and_tokenizer, reply_room, split_reasoning)
 from minimind.decode import CompiledDecoder
+from minimind.errors import InputError
 
 THINKING_TITLE = "Thinking"
+logger = logging.getLogger(__name__)
 
 
 def reply_messages(text: str, finished: bool = True) -> list[dict]:
@@ -61,30 +69,63 @@ def conversation(history: list[dict], message: str, system_prompt: str | None = 
     return messages
 
 
+def model_choices(paths: list[str]) -> dict[str, str]:
+    """The page's name for each model directory -> its path: the directory's name, with as many parent names as
+    it takes to tell the directories apart. Every directory is checked here (a MiniMind checkpoint whose
+    config.json matches its weights), so a bad one stops the command at start with one line."""
+    directories = []
+    for path in dict.fromkeys(paths):
+        directory = loading.model_directory(path)
+        config = loading.read_minimind_config(directory)
+        if problems := loading.weight_mismatches(directory, config):
+            raise InputError(f"{directory}: config.json does not match the weights ({'; '.join(problems)})")
+        directories.append((path, directory.resolve()))
+    for depth in range(1, max((len(resolved.parts) for _, resolved in directories), default=1) + 1):
+        names = {path: "/".join(resolved.parts[-depth:]) for path, resolved in directories}
+        if len(set(names.values())) == len(names):
+            return {name: path for path, name in names.items()}
+    raise InputError("the same model directory is named twice under different paths")
+
+
+class UnknownModel(ValueError):
+    """A model name the page was not started with."""
+
+
 class LoadedModel:
-    """The model the page chats with: the one in the directory named on the page, kept until another is named.
+    """The model the page chats with, one of `choices` (page name -> path), kept until the visitor picks another.
     One at a time, so switching models does not double the memory in use."""
 
-    def __init__(self, device: str | None = None, dtype: str = "float32", compile: bool = False, int8: bool = False):
+    def __init__(self, choices: dict[str, str], device: str | None = None, dtype: str = "float32",
+                 compile: bool = False, int8: bool = False):
+        self.choices = choices
         self.device, self.dtype, self.compile, self.int8 = device, dtype, compile, int8
-        self.path = None
+        self.name = None
         self.model = self.tokenizer = self.decoder = None
         self._lock = threading.Lock()  # a load and a reply may arrive together from two browser events
 
-    def get(self, path: str):
-        path = path.strip()
+    def get(self, name: str):
+        if not isinstance(name, str) or name not in self.choices:
+            raise UnknownModel("this page serves only the models in its list")
         with self._lock:
-            if path != self.path:
+            if name != self.name:
                 # the old model is freed before the new one loads
-                self.model = self.tokenizer = self.decoder = self.path = None
-                self.model, self.tokenizer = load_model_and_tokenizer(path, self.device, self.dtype, self.int8)
+                self.model = self.tokenizer = self.decoder = self.name = None
+                self.model, self.tokenizer = load_model_and_tokenizer(self.choices[name], self.device, self.dtype,
+                                                                      self.int8)
                 self.decoder = CompiledDecoder(self.model) if self.compile else None
-                self.path = path
+                self.name = name
             return self.model, self.tokenizer, self.decoder
 
     def describe(self) -> str:
         parameters = sum(p.numel() for p in self.model.parameters())
-        return f"Loaded `{self.path}`: {parameters:,} parameters, {self.model.dtype}, on {self.model.device}."
+        return f"Loaded `{self.name}`: {parameters:,} parameters, {self.model.dtype}, on {self.model.device}."
+
+    def visitor_message(self, name, error: Exception) -> str:
+        """What the page says when `name` cannot be loaded: no path and no detail, which go to the server's log."""
+        if isinstance(error, UnknownModel):
+            return "Unknown model: choose one from the list."
+        logger.error("could not load the page's model %r from %s: %s", name, self.choices.get(name), error)
+        return f"Could not load `{name}`; the server's log says why."
 
 
 def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams, enable_thinking: bool = True,
@@ -94,11 +135,12 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
     block in the prompt, so the model answers directly; `decoder` (a `CompiledDecoder`) replaces generate."""
     template_kwargs = {} if enable_thinking else {"enable_thinking": False}
     prompt_ids = chat_prompt_ids(tokenizer, messages, **template_kwargs)
-    room = model.config.max_position_embeddings - len(prompt_ids)
+    context = model.config.max_position_embeddings
+    room = reply_room(params.max_new_tokens, len(prompt_ids), context)
     if room <= 0:
-        raise ValueError(f"the conversation ({len(prompt_ids)} tokens) fills the model's "
-                         f"{model.config.max_position_embeddings}-token context: clear the chat to start anew")
-    params = replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        raise ValueError(f"the conversation ({len(prompt_ids)} tokens) fills the model's {context}-token context: "
+                         "clear the chat to start anew")
+    params = replace(params, max_new_tokens=room)
     text = ""
     for piece in TextStream(model, tokenizer, prompt_ids, params, decoder=decoder):
         text += piece
@@ -106,34 +148,36 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
     yield reply_messages(text, finished=True)
 
 
-def build_app(model_name_or_path: str, *, device: str | None = None, dtype: str = "float32",
+def build_app(model_paths: str | list[str], *, device: str | None = None, dtype: str = "float32",
               defaults: SamplingParams | None = None, system_prompt: str | None = None,
               enable_thinking: bool = True, compile: bool = False, int8: bool = False):
-    """The chat page as a `gr.Blocks`, with the model in `model_name_or_path` loaded (so a bad path fails here,
-    not on the first message). `compile`: replies through `minimind.decode.CompiledDecoder` (the command's
-    default), which Gradio's one-reply-at-a-time queue keeps to one sequence; `int8`: int8 decoder weights
-    (`minimind.chat.load_model_and_tokenizer`)."""
+    """The chat page as a `gr.Blocks` that offers the models in `model_paths` (every one checked, the first
+    loaded, so a bad path fails here, not on the first message). `compile`: replies through
+    `minimind.decode.CompiledDecoder` (the command's default), which Gradio's one-reply-at-a-time queue keeps to
+    one sequence; `int8`: int8 decoder weights (`minimind.chat.load_model_and_tokenizer`)."""
     try:
         import gradio as gr
     except ImportError as error:
         raise ImportError('the web chat needs Gradio: pip install "minimind[web]" (or pip install gradio)') from error
 
-    defaults = defaults or SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=512)
-    loaded = LoadedModel(device, dtype, compile, int8)
-    loaded.get(model_name_or_path)
+    defaults = defaults or SamplingParams(temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
+    choices = model_choices([model_paths] if isinstance(model_paths, str) else list(model_paths))
+    loaded = LoadedModel(choices, device, dtype, compile, int8)
+    first = next(iter(choices))
+    loaded.get(first)
 
-    def load(path):
+    def load(name):
         try:
-            loaded.get(path)
+            loaded.get(name)
         except Exception as error:  # any loading failure is shown on the page; the server keeps running
-            return f"Could not load `{path.strip()}`: {error}"
+            return loaded.visitor_message(name, error)
         return loaded.describe()
 
-    def respond(message, history, path, system, thinking, temperature, top_p, max_new_tokens):
+    def respond(message, history, name, system, thinking, temperature, top_p, max_new_tokens):
         try:
-            model, tokenizer, decoder = loaded.get(path)
+            model, tokenizer, decoder = loaded.get(name)
         except Exception as error:
-            raise gr.Error(f"Could not load {path.strip()!r}: {error}") from error
+            raise gr.Error(loaded.visitor_message(name, error)) from None
         params = SamplingParams(max_new_tokens=int(max_new_tokens), do_sample=temperature > 0,
                                 temperature=temperature, top_p=top_p, top_k=defaults.top_k)
         try:
@@ -147,8 +191,8 @@ def build_app(model_name_or_path: str, *, device: str | None = None, dtype: str 
             # The settings come first: ChatInterface takes already rendered inputs as they are and would put
             # unrendered ones in an accordion under the chat.
             with gr.Column(scale=1):
-                model_box = gr.Textbox(value=model_name_or_path, label="Model directory",
-                                       info="Enter or leave the box to load another model")
+                model_box = gr.Dropdown(choices=list(choices), value=first, label="Model",
+                                        info="The models this page was started with")
                 status = gr.Markdown(loaded.describe())
                 system_box = gr.Textbox(value=system_prompt or "", label="System prompt", lines=3)
                 thinking = gr.Checkbox(value=enable_thinking, label="Let the model think",
@@ -164,12 +208,11 @@ def build_app(model_name_or_path: str, *, device: str | None = None, dtype: str 
                 gr.ChatInterface(respond, chatbot=gr.Chatbot(label="MiniMind", height=520), textbox=message_box,
                                  additional_inputs=[model_box, system_box, thinking, temperature, top_p,
                                                     max_new_tokens])
-        # Not .change: that fires on every keystroke, loading each half-typed path.
-        model_box.submit(load, model_box, status)
-        model_box.blur(load, model_box, status)
+        model_box.change(load, model_box, status)
     return app
 
 
-def launch(app, host: str = "127.0.0.1", port: int = 7860):
-    """Serve the page until interrupted."""
-    app.queue().launch(server_name=host, server_port=port, share=False, show_error=True)
+def launch(app, host: str = "127.0.0.1", port: int = 7860, auth: tuple[str, str] | None = None):
+    """Serve the page until interrupted; `auth`: (user, password) that Gradio's login page asks for. Only
+    `gr.Error` messages reach the visitor (show_error off): other exceptions may name the server's files."""
+    app.queue().launch(server_name=host, server_port=port, share=False, show_error=False, auth=auth)

@@ -104,3 +104,25 @@ def load_script(name):
 @pytest.fixture
 def repo_root():
     return ROOT
+
+
+def plant_code_dir(path, model_type="planted", marker=None):
+    """A directory that asks for code of its own: config.json names `model_type` and, through `auto_map`, classes in
+    a module beside it; tokenizer_config.json does the same for its tokenizer. Importing that module writes
+    `marker` (default: path/RAN), so a test sees whether anything ran it. Returns the marker's path."""
+    import json
+    from pathlib import Path
+
+    path, marker = Path(path), Path(marker or Path(path) / "RAN")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "planted.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                     "from transformers import PretrainedConfig, PreTrainedModel\n"
+                                     "class PlantedConfig(PretrainedConfig):\n"
+                                     f"    model_type = {model_type!r}\n"
+                                     "class PlantedModel(PreTrainedModel):\n"
+                                     "    config_class = PlantedConfig\n")
+    auto_map = {"AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedModel"}
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, "auto_map": auto_map}))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PlantedTokenizer", "auto_map": {"AutoTokenizer": ["planted.PlantedTokenizer", None]}}))
+    return marker

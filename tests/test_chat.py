@@ -218,3 +218,26 @@ def test_an_error_inside_generate_reaches_the_reader_of_the_stream(model_and_tok
     with pytest.raises(RuntimeError, match="^the model broke mid-reply$"):
         list(stream)
     assert stream.finish_reason is None
+
+
+@pytest.mark.parametrize("decoded_by", ["generate", "decoder"])
+def test_top_p_restricts_sampling_to_the_most_likely_tokens(model_and_tokenizer, decoded_by):
+    import torch
+
+    from minimind.decode import CompiledDecoder
+
+    model, tokenizer = model_and_tokenizer
+    decoder = CompiledDecoder(model, compile=False) if decoded_by == "decoder" else None
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "hello"}])
+
+    def replies(params, seeds=range(12)):
+        texts = set()
+        for seed in seeds:
+            torch.manual_seed(seed)
+            texts.add("".join(TextStream(model, tokenizer, prompt, params, decoder=decoder)))
+        return texts
+
+    greedy = replies(SamplingParams(max_new_tokens=3, do_sample=False), seeds=[0])
+    # A nucleus this small holds the most likely token alone: every seed gives the greedy reply.
+    assert replies(SamplingParams(max_new_tokens=3, temperature=1.5, top_p=1e-6)) == greedy
+    assert len(replies(SamplingParams(max_new_tokens=3, temperature=1.5, top_p=1.0))) >= 6

@@ -138,3 +138,93 @@ def test_files_that_are_not_a_state_dict_or_settings_object_are_refused(tmp_path
                                                       "model_type": "minimind", "transformers_version": "5",
                                                       "dtype": "float32", "torch_dtype": "float32"}))
     assert read_settings_json(tmp_path / "config.json") == {"hidden_size": 64}
+
+
+def _convert_error(capsys, *args):
+    """The command's exit code 2 and its one line on stderr (no traceback)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        _convert(*args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err.strip()
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    path.write_bytes({"truncated": data[:len(data) // 2], "garbage": bytes(range(256)) * (len(data) // 256),
+                      "empty": b""}[how])
+
+
+PTH_DAMAGE = {
+    "truncated": "RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory",
+    "garbage": "UnpicklingError: Unsupported operand 0",
+    "empty": "EOFError: the file is empty",
+}
+
+
+@pytest.mark.parametrize("how", PTH_DAMAGE)
+def test_a_damaged_pth_is_named_in_one_line(tmp_path, capsys, how):
+    pth = _upstream_pth(tmp_path / "full_sft_64.pth", tiny_model())
+    _damage(pth, how)
+    error = _convert_error(capsys, "--pth", pth, "--output_dir", tmp_path / "hf", *TINY_FLAGS)
+    assert error == (f"error: {pth} is not a readable PyTorch checkpoint (truncated or not a torch.save file): "
+                     f"{PTH_DAMAGE[how]}")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_missing_pth_or_a_pickled_module_is_named_in_one_line(tmp_path, capsys):
+    error = _convert_error(capsys, "--pth", tmp_path / "nope.pth", "--output_dir", tmp_path / "hf", *TINY_FLAGS)
+    assert error == (f"error: {tmp_path / 'nope.pth'}: no such file. Fix: check the path of the upstream checkpoint "
+                     "(--pth).")
+    torch.save(tiny_model(), tmp_path / "module.pth")  # a whole pickled model, not a state dict
+    error = _convert_error(capsys, "--pth", tmp_path / "module.pth", "--output_dir", tmp_path / "hf", *TINY_FLAGS)
+    assert error.startswith(f"error: {tmp_path / 'module.pth'} holds Python objects besides tensors, which a "
+                            "weights-only load refuses so that no code from the file runs (UnpicklingError: "
+                            "Unsupported global: GLOBAL modeling_minimind.MiniMindForCausalLM was not an allowed")
+    assert error.endswith("Fix: save the state dict alone: torch.save(model.state_dict(), path).")
+    assert not (tmp_path / "hf").exists()
+
+
+def _upstream_hf_dir(path):
+    from safetensors.torch import save_file
+
+    model = tiny_model()
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**model.config.to_dict(), "model_type": "minimind"}))
+    return path
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage"])
+def test_damaged_upstream_safetensors_are_named_in_one_line(tmp_path, capsys, how):
+    upstream = _upstream_hf_dir(tmp_path / "upstream")
+    weights = upstream / "model.safetensors"
+    size = weights.stat().st_size
+    _convert("--from", "upstream-hf", "--pth", upstream, "--output_dir", tmp_path / "good",
+             "--tokenizer_name_or_path", TOKENIZER_DIR)  # the directory imports before the damage
+    _damage(weights, how)
+    error = _convert_error(capsys, "--from", "upstream-hf", "--pth", upstream, "--output_dir", tmp_path / "hf",
+                           "--tokenizer_name_or_path", TOKENIZER_DIR)
+    problem = {"truncated": f"{size // 2} bytes where its header promises {size}",
+               "garbage": f"{weights.stat().st_size} bytes, shorter than its own header"}[how]
+    assert error == (f"error: {weights} is not a readable safetensors file (truncated or damaged): {problem}. "
+                     "Fix: copy or download it again.")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_missing_upstream_directory_or_damaged_config_is_named_in_one_line(tmp_path, capsys):
+    fix = ("Fix: with --from upstream-hf pass the directory that upstream's save_pretrained wrote (for a .pth file "
+           "leave --from out).")
+    error = _convert_error(capsys, "--from", "upstream-hf", "--pth", tmp_path / "nope", "--output_dir",
+                           tmp_path / "hf")
+    assert error == f"error: {tmp_path / 'nope'}: no such directory. {fix}"
+    upstream = _upstream_hf_dir(tmp_path / "upstream")
+    (upstream / "config.json").write_text('{"model_type": "minimind", ')
+    error = _convert_error(capsys, "--from", "upstream-hf", "--pth", upstream, "--output_dir", tmp_path / "hf",
+                           "--tokenizer_name_or_path", TOKENIZER_DIR)
+    assert error == (f"error: {upstream / 'config.json'} is not readable JSON (JSONDecodeError: Expecting property "
+                     "name enclosed in double quotes: line 1 column 28 (char 27)). Fix: pass the upstream directory's "
+                     "config.json as upstream wrote it.")
+    assert not (tmp_path / "hf").exists()

@@ -346,3 +346,70 @@ def test_skip_bad_lines_keeps_the_good_rows_of_every_kind(tmp_path, tok, kind):
     assert held_out is None
     # pretraining packs the three texts (7 tokens each with bos/eos) into one 16-token block
     assert len(train) == (1 if kind == "pretrain" else 3)
+
+
+SURROGATE_MESSAGE = ("is not valid Unicode (lone surrogate '\\ud800' at character {at}, from a \\uXXXX escape that is "
+                     "half of a pair). Fix: replace the escape with the intended character, or pass --skip_bad_lines "
+                     "to skip such lines.")
+NESTED_MESSAGE = ("arrays/objects nested more than 100 levels deep. Fix: flatten the line (no training format nests "
+                  "that deep), or pass --skip_bad_lines to skip such lines.")
+DEEP = "[" * 100_000 + "]" * 100_000
+SFT_REPLY = '{"role": "user", "content": "hi"}, {"role": "assistant", "content": "%s"}'
+
+# (kind, bad line as written in the file, the exact problem and fix). Each used to pass validation and end training
+# later with a traceback (UnicodeEncodeError in the tokenizer or Arrow, RecursionError in json.loads or json.dumps).
+UNREADABLE_LINES = [
+    ("pretrain", '{"text": "caf\\ud800"}', "the string at ['text'] " + SURROGATE_MESSAGE.format(at=3)),
+    ("pretrain", DEEP, NESTED_MESSAGE),
+    ("pretrain", '{"text": 1' + "0" * 5000 + "}", "invalid JSON (Exceeds the limit (4300 digits) for integer string "
+     "conversion: value has 5001 digits; use sys.set_int_max_str_digits() to increase the limit). Fix: shorten or "
+     "quote the value, or pass --skip_bad_lines to skip such lines."),
+    ("sft", '{"conversations": [%s]}' % (SFT_REPLY % "ok\\ud800"),
+     "the string at ['conversations'][1]['content'] " + SURROGATE_MESSAGE.format(at=2)),
+    ("sft", '{"conversations": [{"role": "user", "content": "hi", "\\ud800": 1}, {"role": "assistant", '
+            '"content": "yo"}]}', "a key in ['conversations'][0] " + SURROGATE_MESSAGE.format(at=0)),
+    ("sft", DEEP, NESTED_MESSAGE),
+    # Parses (json.loads' limit is deeper), but the chat template's JSON encoding would not.
+    ("sft", '{"conversations": [%s], "tools": [{"parameters": %s}]}' % (SFT_REPLY % "yo", "[" * 150 + "]" * 150),
+     NESTED_MESSAGE),
+]
+
+
+@pytest.mark.parametrize("kind, bad, message", UNREADABLE_LINES)
+def test_unencodable_or_too_deep_lines_are_named_or_skipped(tmp_path, tok, kind, bad, message):
+    from minimind.data import build_dataset
+
+    path = tmp_path / f"{kind}.jsonl"
+    path.write_text("\n".join([json.dumps(GOOD[kind]), "", bad, json.dumps(GOOD[kind])]) + "\n", encoding="utf-8")
+    with pytest.raises(DataFormatError) as info:
+        read_jsonl(path, kind)
+    assert str(info.value) == f"{path}, line 3: {message}"
+    with pytest.raises(DataFormatError) as info:  # the builders too, before any tokenising
+        build_dataset(kind, path, tok, 64, padding_free=True)
+    assert str(info.value) == f"{path}, line 3: {message}"
+
+    assert read_jsonl(path, kind, skip_bad_lines=True) == ([GOOD[kind], GOOD[kind]], 1)
+    # One row per document or chat: both good lines, and nothing of the bad one.
+    assert len(build_dataset(kind, path, tok, 64, skip_bad_lines=True, padding_free=True)) == 2
+
+
+def test_a_chat_the_template_cannot_render_is_named_or_skipped(tmp_path, tok, caplog):
+    """A chat that opens with the assistant's reply passes validation, but the template renders no prefix for it:
+    the builder names the line instead of failing mid-map, and --skip_bad_lines skips it."""
+    opening_reply = {"conversations": [{"role": "assistant", "content": "Hello!"}, *chat(("Hi", "Hi again"))]}
+    path = write_lines(tmp_path / "sft.jsonl", [GOOD["sft"], opening_reply, GOOD["sft"]])
+    with pytest.raises(DataFormatError) as info:
+        build_sft_dataset(path, tok, 64)
+    assert str(info.value) == (
+        f"{path}, line 2: the chat template cannot render this conversation (ValueError: Cannot apply chat template "
+        "to an empty conversation. Provide at least one message.). Fix: check the order of the roles (open with a "
+        "system or user message), or pass --skip_bad_lines to skip such lines.")
+    with caplog.at_level(logging.WARNING, logger="minimind.data"):
+        assert len(build_sft_dataset(path, tok, 64, skip_bad_lines=True)) == 2
+    assert f"skipped 1 more bad line(s) in {path} (first: {path}, line 2: the chat template" in caplog.text
+    assert "dropped" not in caplog.text  # not reported again as cut off by truncation
+
+    path = write_lines(tmp_path / "only.jsonl", [opening_reply])
+    with pytest.raises(DataFormatError, match=r"only\.jsonl: no valid sft examples \(every line is malformed; first: "
+                                              r".*only\.jsonl, line 1: the chat template cannot render"):
+        build_sft_dataset(path, tok, 64, skip_bad_lines=True)

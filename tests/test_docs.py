@@ -127,7 +127,7 @@ def workspace(tmp_path_factory):
     """Where the commands run. It holds what they expect to find: a trained-model directory `runs/sft` (tiny, with
     the bundled tokenizer), `tokenizer/`, upstream checkpoints and their settings file, and data slices."""
     root = tmp_path_factory.mktemp("docs")
-    for path in ("runs/sft", "runs/demo/pretrain", "out/pretrain", "out/sft"):  # training overwrites the out/ ones
+    for path in ("runs/sft", "runs/demo/pretrain", "runs/demo/sft", "out/pretrain", "out/sft"):  # training overwrites out/
         model_dir(root / path, std=0.3, max_position_embeddings=4096)  # the serve command asks for 2048
     (root / "docs").mkdir()  # the benchmark's table goes to docs/benchmarks.md
     shutil.copytree(TOKENIZER_DIR, root / "tokenizer")
@@ -199,8 +199,11 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
 
         calls = []
         monkeypatch.setattr(minimind.hub, "push_model_dir", lambda *args, **kwargs: calls.append(args))
-        main(list(argv))
-        assert calls[0] == (argv[argv.index("--model_name_or_path") + 1], argv[argv.index("--repo_id") + 1])
+        result = main(list(argv))
+        if "--dry_run" in argv:  # the plan is made for real; nothing would be sent
+            assert not calls and "README.md" in result and "model.safetensors" in result
+        else:
+            assert calls[0] == (argv[argv.index("--model_name_or_path") + 1], argv[argv.index("--repo_id") + 1])
     elif name == "benchmark" and "--quick" not in argv:  # full mode takes ~10 minutes, --device cuda a GPU
         import minimind.benchmark
 
@@ -223,9 +226,10 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         import minimind.web
 
         launched = []
-        monkeypatch.setattr(minimind.web, "launch", lambda app, host, port: launched.append((host, port)))
+        monkeypatch.setattr(minimind.web, "launch", lambda app, host, port, auth: launched.append((host, port)))
         main(list(argv))
-        assert launched == [("127.0.0.1", int(argv[argv.index("--port") + 1]) if "--port" in argv else 7860)]
+        host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
+        assert launched == [(host, int(argv[argv.index("--port") + 1]) if "--port" in argv else 7860)]
     elif name == "serve":  # a server runs until stopped: one request instead
         import minimind.serving
         from starlette.testclient import TestClient
@@ -234,9 +238,11 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: served.append((app, host, port)))
         main(list(argv))
         app, host, port = served[0]
-        assert (host, port) == ("127.0.0.1", int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000)
+        assert (host, port) == (argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1",
+                                int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000)
         model = argv[argv.index("--served_model_name") + 1] if "--served_model_name" in argv else "sft"
-        response = TestClient(app).post("/v1/chat/completions", json={
+        key = {"Authorization": f"Bearer {argv[argv.index('--api_key') + 1]}"} if "--api_key" in argv else {}
+        response = TestClient(app).post("/v1/chat/completions", headers=key, json={
             "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
     elif name == "chat":  # interactive: one line on stdin, then end of input

@@ -8,6 +8,7 @@ import copy
 import json
 import logging
 import os
+import random
 import shutil
 import types
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, load_script, torch_threads
+
+from minimind.errors import InputError
 
 TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2",
               "--num_key_value_heads", "1", "--intermediate_size", "48"]
@@ -74,6 +77,8 @@ def damage(path, how):
         truncate(path)
     elif how == "emptied":
         path.write_bytes(b"")
+    elif how == "garbage":  # as long as before, every byte random
+        path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
     else:
         raise AssertionError(how)
 
@@ -92,8 +97,11 @@ def test_saves_leave_complete_checkpoints_and_no_staging(run):
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
 
 
-CHECKPOINT_FILES = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"]
-DAMAGE = [(name, how) for name in CHECKPOINT_FILES for how in ("deleted", "truncated", "emptied")]
+CHECKPOINT_FILES = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+                    "config.json"]
+# Trainer reads config.json only when it is there, so only its damage counts.
+DAMAGE = [(name, how) for name in CHECKPOINT_FILES for how in ("deleted", "truncated", "emptied", "garbage")
+          if (name, how) != ("config.json", "deleted")]
 
 
 def expected_problem(name, how):
@@ -243,13 +251,51 @@ def test_resume_command_falls_back_when_the_newest_optimizer_is_gone(run_copy, p
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
 
 
-def test_resume_command_with_truncated_weights_names_file_and_checkpoint(run_copy, pretrain_data):
+def test_resume_command_with_truncated_weights_names_file_and_checkpoint(run_copy, pretrain_data, capsys):
     out, _ = run_copy
     truncate(out / "checkpoint-4" / "model.safetensors")
-    with pytest.raises(ValueError, match=rf"--resume_from_checkpoint {out / 'checkpoint-4'}: not a complete "
-                                         r"checkpoint: model\.safetensors is damaged"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
         load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint",
                                       str(out / "checkpoint-4")])
+    assert info.value.code == 2
+    assert the_error_line(capsys).startswith(f"error: --resume_from_checkpoint {out / 'checkpoint-4'}: not a complete "
+                                             "checkpoint: model.safetensors is damaged")
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "rng_state.pth"])
+def test_a_whole_archive_with_a_damaged_pickle_is_damaged(run_copy, name):
+    """The zip's directory intact, bytes inside its pickle overwritten: only loading it as Trainer does (what the
+    check does for these small files) finds that, instead of an UnpicklingError traceback at resume."""
+    import zipfile
+
+    from minimind.training import checkpoint_problems
+
+    out, args = run_copy
+    path = out / "checkpoint-4" / name
+    with zipfile.ZipFile(path) as archive:
+        pickle = next(info for info in archive.infolist() if info.filename.endswith("data.pkl"))
+    data = bytearray(path.read_bytes())
+    local = pickle.header_offset  # the local header's name and extra lengths (torch pads the extra for alignment)
+    start = local + 30 + int.from_bytes(data[local + 26:local + 28], "little") + \
+        int.from_bytes(data[local + 28:local + 30], "little")
+    data[start + 2:start + 10] = b"\xff" * 8  # past the protocol opcode
+    path.write_bytes(bytes(data))
+    assert checkpoint_problems(out / "checkpoint-4", args) == [
+        f"{name} is damaged (torch.load fails: UnpicklingError: Unsupported operand 255)"]
+
+
+@pytest.mark.parametrize("name", ["config.json", "scheduler.pt"])
+def test_resume_command_falls_back_past_a_damaged_config_or_scheduler(run_copy, pretrain_data, capsys, name):
+    """These used to end the resumed run with a JSON or pickle traceback; now the command names the file and
+    resumes from checkpoint-2."""
+    out, _ = run_copy
+    damage(out / "checkpoint-4" / name, "garbage")
+    trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint", "last"])
+    assert (f"WARNING minimind.training: not resuming from {out / 'checkpoint-4'}: {name} is damaged ("
+            in capsys.readouterr().out)
+    assert trainer.state.global_step == 6
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_save_killed_midway_leaves_no_checkpoint_dir(pretrain_data, tmp_path, monkeypatch):
@@ -279,6 +325,113 @@ def test_a_save_killed_midway_leaves_no_checkpoint_dir(pretrain_data, tmp_path, 
     assert trainer.state.global_step == 4
     assert training.checkpoint_problems(out / "checkpoint-4", trainer.args) == []
     assert not (out / training.STAGING_DIR).exists()
+
+
+def full_disk_at(monkeypatch, target, fail=lambda path: True, error=None):
+    """Make the save of files named `target` write half their bytes and then fail as a full disk does: with ENOSPC,
+    or with `error` (what torch.save's zip writer raises instead)."""
+    import errno
+
+    import torch
+    import transformers.modeling_utils
+
+    weights = target == "model.safetensors"
+    module, name = (transformers.modeling_utils, "safe_save_file") if weights else (torch, "save")
+    original = getattr(module, name)
+
+    def save(obj, path, *args, **kwargs):
+        if Path(path).name == target and fail(Path(path)):
+            Path(path).write_bytes(b"\0" * 100)
+            raise error or OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, save)
+    return lambda: monkeypatch.setattr(module, name, original)
+
+
+def tree_size(path):
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def the_error_line(capsys):
+    """The command's one `error:` line; the rest of stderr is progress bars, and no traceback."""
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    return errors[0]
+
+
+FULL_DISK = {"model.safetensors": "OSError: [Errno 28] No space left on device",
+             "optimizer.pt": "OSError: [Errno 28] No space left on device",
+             "rng_state.pth": "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"}
+
+
+@pytest.mark.parametrize("target", FULL_DISK)
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(pretrain_data, tmp_path, monkeypatch,
+                                                                           capsys, target):
+    """ENOSPC while checkpoint-4 is written (the weights, the optimizer state, or torch.save's zip writer, which says
+    nothing of the disk: then the free space tells) ends the command with one line naming the filesystem and the
+    room needed; the staged files are gone, checkpoint-2 is intact, and a rerun resumes from it."""
+    import shutil as shutil_module
+
+    from minimind import cli, training
+
+    out = tmp_path / "run"
+    restore = full_disk_at(monkeypatch, target, fail=lambda path: path.parent.name == "checkpoint-4",
+                           error=None if target != "rng_state.pth" else RuntimeError(FULL_DISK[target][14:]))
+    if target == "rng_state.pth":
+        disk_usage = shutil_module.disk_usage
+        monkeypatch.setattr(shutil_module, "disk_usage", lambda path: disk_usage(path)._replace(free=1000))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.pretrain(run_argv(pretrain_data, out, 4))
+    assert info.value.code == 2
+    error = the_error_line(capsys)
+    need = training._size(tree_size(out / "checkpoint-2"))
+    prefix = (f"error: no space left on the filesystem of {out}: saving checkpoint-4 (the unfinished save was "
+              f"removed) failed ({FULL_DISK[target]}). It needs about {need} (the size of checkpoint-2); ")
+    assert error.startswith(prefix), error
+    assert error[len(prefix):].split(" is free. ")[1] == (
+        "The newest earlier checkpoint, checkpoint-2, is intact. Fix: free space there, or pass an --output_dir on a "
+        "larger filesystem (copying the checkpoints along), then rerun with --resume_from_checkpoint last.")
+    assert not (out / training.STAGING_DIR).exists() and not (out / "checkpoint-4").exists()
+    assert training.checkpoint_problems(out / "checkpoint-2") == []
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+
+    restore()
+    monkeypatch.undo()
+    trainer, _ = cli.pretrain([*run_argv(pretrain_data, out, 4), "--resume_from_checkpoint", "last"])
+    assert trainer.state.global_step == 4
+    assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3, 4]
+    assert training.checkpoint_problems(out / "checkpoint-4", trainer.args) == []
+
+
+def test_a_full_disk_at_the_final_save_removes_its_partial_files(pretrain_data, tmp_path, monkeypatch, capsys):
+    from minimind import cli, training
+
+    out = tmp_path / "run"
+    full_disk_at(monkeypatch, "model.safetensors", fail=lambda path: path.parent == out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.pretrain(run_argv(pretrain_data, out, 4))
+    assert info.value.code == 2
+    error = the_error_line(capsys)
+    assert error.startswith(f"error: no space left on the filesystem of {out}: saving the final model (its partial "
+                             "files were removed) failed (OSError: [Errno 28] No space left on device). It needs "
+                             "about ")
+    resume_only = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
+    need = sum(f.stat().st_size for f in (out / "checkpoint-4").iterdir() if f.name not in resume_only)
+    assert f"about {training._size(need)} (checkpoint-4 without its optimizer, scheduler and RNG state); " in error
+    assert " is free. Its checkpoints are intact. Fix: " in error
+    # config.json, written before the weights, went with them: nothing of the unfinished model is left.
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == []
+    assert training.checkpoint_problems(out / "checkpoint-4") == []
+
+    monkeypatch.undo()
+    trainer, _ = cli.pretrain([*run_argv(pretrain_data, out, 4), "--resume_from_checkpoint", "last"])
+    # >= : transformers 5.24, resumed from a checkpoint at max_steps, trains one step more before it stops.
+    assert trainer.state.global_step >= 4 and training.checkpoint_problems(out / "checkpoint-4") == []
+    assert not training._safetensors_problem(out / "model.safetensors")
 
 
 def test_saving_over_an_existing_checkpoint_replaces_it_whole(run_copy, pretrain_data):
@@ -337,6 +490,42 @@ def test_malformed_line_is_named_by_the_command(tmp_path, capsys):
     assert f"error: {path}, line 2: 'conversations' message 0 has unknown role 'gpt'. Fix: " in err
 
 
+GOOD_LINES = {"pretrain": '{"text": "The sky is blue."}',
+              "sft": '{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}'}
+UNENCODABLE = {"pretrain": ('{"text": "caf\\ud800"}', "the string at ['text'] is not valid Unicode (lone surrogate "
+                            "'\\ud800' at character 3, from a \\uXXXX escape that is half of a pair)"),
+               "sft": ('{"conversations": [{"role": "user", "content": "\\ud800"}]}', "the string at "
+                       "['conversations'][0]['content'] is not valid Unicode (lone surrogate '\\ud800' at character "
+                       "0, from a \\uXXXX escape that is half of a pair)")}
+
+
+@pytest.mark.parametrize("fault", ["surrogate", "nesting"])
+@pytest.mark.parametrize("kind", ["pretrain", "sft"])
+def test_unencodable_or_deep_line_is_one_line_from_the_command(tmp_path, capsys, kind, fault):
+    """A lone surrogate used to end training with a UnicodeEncodeError from the tokenizer, 100,000 nested brackets
+    with a RecursionError: both tracebacks. Now the command names the line; --skip_bad_lines trains on the rest."""
+    from minimind import cli
+
+    bad, problem = UNENCODABLE[kind] if fault == "surrogate" else (
+        "[" * 100_000 + "]" * 100_000, "arrays/objects nested more than 100 levels deep")
+    path = tmp_path / f"{kind}.jsonl"
+    path.write_text(f"{GOOD_LINES[kind]}\n{bad}\n" + f"{GOOD_LINES[kind]}\n" * 8, encoding="utf-8")
+    argv = ["--data_path", str(path), "--output_dir", str(tmp_path / "out"), *TINY_MODEL, *FAST, "--max_steps", "1",
+            "--save_strategy", "no"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        getattr(cli, kind)(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}, line 2: {problem}. Fix: " + ("replace the escape with the intended character"
+                                                      if fault == "surrogate" else
+                                                      "flatten the line (no training format nests that deep)")
+        + ", or pass --skip_bad_lines to skip such lines."]
+    if kind == "pretrain":
+        trainer, _ = cli.pretrain([*argv, "--skip_bad_lines", "--padding_free"])
+        assert len(trainer.train_dataset) == 9 and trainer.state.global_step == 1
+
+
 def test_dpo_pair_with_different_prompts_is_refused_at_load_time(tmp_path, capsys):
     good = {"chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
             "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]}
@@ -376,7 +565,7 @@ def test_a_model_directory_without_tokenizer_files_names_them(tmp_path, missing)
     model_dir(tmp_path)
     for name in missing:
         (tmp_path / name).unlink()
-    with pytest.raises(FileNotFoundError) as raised:
+    with pytest.raises(InputError) as raised:
         load_model_and_tokenizer(str(tmp_path), device="cpu")
     assert str(raised.value) == (
         f"{tmp_path}: tokenizer file(s) {', '.join(missing)} missing. Fix: copy them from the directory the model "
@@ -392,6 +581,6 @@ def test_a_truncated_weights_file_in_a_model_directory_is_named_by_the_chat_load
     size = weights.stat().st_size
     with open(weights, "r+b") as file:
         file.truncate(size - 10)
-    with pytest.raises(OSError, match=rf"^{weights} \({size - 10} bytes where its header promises {size}\): the "
-                                      r"safetensors file is incomplete or damaged"):
+    with pytest.raises(InputError, match=rf"^{weights} \({size - 10} bytes where its header promises {size}\): "
+                                         r"the safetensors file is incomplete or damaged"):
         load_model_and_tokenizer(str(tmp_path), device="cpu")

@@ -112,22 +112,66 @@ def test_push_with_separate_tokenizer_and_unknown_training(tmp_path):
     assert "## Training\n\nUnknown" in card.text
 
 
-def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path):
+def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path, capsys):
     tiny_model().save_pretrained(tmp_path / "m")
     os.remove(tmp_path / "m" / "generation_config.json")
     os.remove(tmp_path / "m" / "modeling_minimind.py")
-    with FakeHub() as hub, pytest.raises(ValueError) as error:
+    capsys.readouterr()
+    with FakeHub() as hub, pytest.raises(SystemExit) as exited:
         load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "m"), "--repo_id", "a/b"])
+    assert exited.value.code == 2
     d = tmp_path / "m"
     tokenizer_fix = "(pass --tokenizer_name_or_path tokenizer/ or save the tokenizer into the model directory)"
-    assert str(error.value) == "\n- ".join([
+    assert capsys.readouterr().err == "error: " + "\n- ".join([
         f"Cannot publish {d}:",
         f"auto_map names 'modeling_minimind.MiniMindModel' but modeling_minimind.py is not in {d}",
         f"auto_map names 'modeling_minimind.MiniMindForCausalLM' but modeling_minimind.py is not in {d}",
         "no generation_config.json (save_pretrained of the model writes it)",
         f"no tokenizer.json in {d} {tokenizer_fix}",
-        f"no tokenizer_config.json in {d} {tokenizer_fix}"])
+        f"no tokenizer_config.json in {d} {tokenizer_fix}"]) + "\n"
     assert not hub.repos and not hub.commits  # nothing created before the check
+
+
+def test_push_dry_run_lists_every_file_and_sends_nothing(tmp_path, capsys):
+    _trained_model_dir(tmp_path / "run")
+    with FakeHub() as hub:
+        plan = load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"),
+                                                "--repo_id", "someone/minimind-tiny", "--dry_run"])
+    assert not hub.repos and not hub.commits
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                "tokenizer_config.json", "chat_template.jinja", "README.md"} | CODE_FILES
+    assert set(plan) == expected
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "would upload to someone/minimind-tiny (nothing sent):"
+    assert {line.split()[0] for line in lines[1:-1]} == expected
+    sizes = {line.split()[0]: line.split()[1] for line in lines[1:-1]}
+    assert sizes["model.safetensors"] == f"{(tmp_path / 'run' / 'model.safetensors').stat().st_size:,}"
+    total = sum(len(v) if isinstance(v, bytes) else v.stat().st_size for v in plan.values())
+    assert lines[-1] == f"  {len(expected)} files, {total:,} bytes"
+    assert b"someone/minimind-tiny" in plan["README.md"]
+
+
+@pytest.mark.parametrize("path", ["runs/missing", "{tmp}/missing"])
+def test_push_of_a_missing_directory_is_one_line(tmp_path, capsys, path):
+    path = path.format(tmp=tmp_path)
+    with FakeHub() as hub, pytest.raises(SystemExit) as exited:
+        load_script("push_to_hub").main(["--model_name_or_path", path, "--repo_id", "a/b"])
+    assert (exited.value.code, capsys.readouterr().err) == (2, f"error: no such directory: {path}\n")
+    assert not hub.repos
+
+
+def test_push_offline_fails_in_one_line_naming_the_repo(tmp_path, capsys, monkeypatch):
+    _trained_model_dir(tmp_path / "run")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"), "--repo_id", "a/b",
+                                          "--token", "hf_fake"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: could not publish to a/b on the Hub (")
+    assert err.endswith("). Fix: check the network, HF_HUB_OFFLINE and your token (hf auth login); --dry_run shows "
+                        "what would be uploaded\n")
 
 
 def test_push_passes_the_token_and_commit_message_and_cards_moe_models(tmp_path):

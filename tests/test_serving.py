@@ -314,7 +314,7 @@ def test_serve_script_rejects_bad_limits_naming_the_flag(monkeypatch, generator,
 @pytest.mark.parametrize("limits, message", [
     (ServerLimits(max_context=999), "max_context must be in [2, 256]"),
     (ServerLimits(max_n=0), "max_n must be at least 1, got 0"),
-    (ServerLimits(max_tokens=8), "default_max_tokens (256) must not exceed max_tokens (8)"),
+    (ServerLimits(max_tokens=8), "default_max_tokens (512) must not exceed max_tokens (8)"),
     (ServerLimits(request_timeout=0), "request_timeout must be positive seconds, got 0"),
     (ServerLimits(kv_cache_tokens=511), "kv_cache_tokens (511) must hold two full contexts (2 x max_context = 512). "
                                         "Fix: raise --kv_cache_tokens or lower --max_context"),

@@ -184,21 +184,90 @@ def browser_missing():
     return None
 
 
-def test_web_command_starts_the_page_with_its_flags(chat_model_dir, monkeypatch):
+def test_web_command_starts_the_page_with_its_flags(chat_model_dir, thinking_model_dir, monkeypatch, capsys):
     pytest.importorskip("gradio")
     import minimind.web
 
     launched = []
-    monkeypatch.setattr(minimind.web, "launch", lambda app, host, port: launched.append((app, host, port)))
-    app = load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--port", "7999", "--temperature",
+    monkeypatch.setattr(minimind.web, "launch", lambda app, host, port, auth: launched.append((app, host, port, auth)))
+    app = load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--model_name_or_path",
+                                        thinking_model_dir, "--port", "7999", "--temperature",
                                         "0", "--top_p", "0.8", "--max_new_tokens", "33", "--system_prompt", "Be brief.",
-                                        "--no-enable_thinking"])
-    assert launched == [(app, "127.0.0.1", 7999)]
+                                        "--no-enable_thinking", "--auth", "me:pass:word"])
+    assert launched == [(app, "127.0.0.1", 7999, ("me", "pass:word"))]
     values = {block.label: block.value for block in app.blocks.values() if getattr(block, "label", None)}
-    assert {label: values[label] for label in ("Model directory", "System prompt", "Let the model think",
+    assert {label: values[label] for label in ("Model", "System prompt", "Let the model think",
                                                "Temperature", "Top-p", "Max new tokens")} == {
-        "Model directory": chat_model_dir, "System prompt": "Be brief.", "Let the model think": False,
+        "Model": "web-model0", "System prompt": "Be brief.", "Let the model think": False,
         "Temperature": 0, "Top-p": 0.8, "Max new tokens": 33}
+    model_box = next(block for block in app.blocks.values() if getattr(block, "label", None) == "Model")
+    assert [value for _, value in model_box.choices] == ["web-model0", "web-thinking-model0"]
+    assert "warning" not in capsys.readouterr().err  # loopback: no warning
+
+
+@pytest.mark.parametrize("auth, warned", [(None, True), ("me:secret", False)])
+def test_web_command_on_an_open_host_warns_without_auth(chat_model_dir, monkeypatch, capsys, auth, warned):
+    pytest.importorskip("gradio")
+    import minimind.web
+
+    monkeypatch.setattr(minimind.web, "launch", lambda app, host, port, auth: None)
+    load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--host", "0.0.0.0", "--no-compile",
+                                  *(["--auth", auth] if auth else [])])
+    warning = ("warning: the page is served on 0.0.0.0:7860 without --auth: anyone who can reach this port can chat "
+               "with the model; pass --auth USER:PASSWORD")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ([warning] if warned else [])
+
+
+@pytest.mark.parametrize("auth", ["me", "me:", ":secret"])
+def test_web_command_refuses_an_auth_without_user_and_password(chat_model_dir, capsys, auth):
+    with pytest.raises(SystemExit) as exited:
+        load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--auth", auth])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --auth takes USER:PASSWORD, both non-empty\n")
+
+
+def test_page_endpoints_refuse_any_path_and_run_no_code_from_it(chat_model_dir, tmp_path):
+    pytest.importorskip("gradio")
+    from conftest import plant_code_dir
+    from gradio_client import Client
+
+    from minimind.web import build_app
+
+    marker = plant_code_dir(tmp_path / "planted")
+    app = build_app([chat_model_dir])
+    app.queue().launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        client = Client(app.local_url, verbose=False)
+        assert client.predict("web-model0", api_name="/load").startswith("Loaded `web-model0`: ")
+        for path in (str(tmp_path / "planted"), chat_model_dir, "../../etc", "someone/model"):
+            with pytest.raises(Exception) as refused:
+                client.predict(path, api_name="/load")
+            assert f"Value: {path} is not in the list of choices: ['web-model0']" in str(refused.value)
+            with pytest.raises(Exception) as refused:
+                client.predict("hi", path, "", True, 0, 1, 4, api_name="/respond")
+            assert f"Value: {path} is not in the list of choices: ['web-model0']" in str(refused.value)
+    finally:
+        app.close()
+    assert not marker.exists()
+
+
+def test_page_names_no_server_path_when_a_model_cannot_be_loaded(chat_model_dir, thinking_model_dir, tmp_path,
+                                                                  caplog):
+    from minimind.web import LoadedModel, UnknownModel, model_choices
+
+    copy = tmp_path / "copy"
+    shutil.copytree(thinking_model_dir, copy)
+    loaded = LoadedModel(model_choices([chat_model_dir, str(copy)]), device="cpu")
+    assert list(loaded.choices) == ["web-model0", "copy"]
+    with pytest.raises(UnknownModel) as unknown:
+        loaded.get(str(copy))  # a path is no name, even one of the page's own
+    assert loaded.visitor_message(str(copy), unknown.value) == "Unknown model: choose one from the list."
+    (copy / "model.safetensors").unlink()  # gone after the page started
+    with pytest.raises(Exception) as failed:
+        loaded.get("copy")
+    assert loaded.visitor_message("copy", failed.value) == "Could not load `copy`; the server's log says why."
+    assert f"{copy} holds no weights" in caplog.text  # the cause is in the server's log
 
 
 def free_port():
@@ -258,7 +327,8 @@ def test_page_in_browser_streams_greedy_replies_and_folds_thinking(chat_model_di
     from playwright.sync_api import expect, sync_playwright
 
     port, max_new_tokens = free_port(), 12
-    process = start_page(chat_model_dir, port, "--max_new_tokens", str(max_new_tokens))  # temperature 0.7
+    process = start_page(chat_model_dir, port, "--max_new_tokens", str(max_new_tokens),  # temperature 0.7
+                         "--model_name_or_path", thinking_model_dir)
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -280,15 +350,11 @@ def test_page_in_browser_streams_greedy_replies_and_folds_thinking(chat_model_di
             assert second != first
             assert_bot_texts(page, [first.strip(), second.strip()])
 
-            # Another model from its path; a path without a model is reported on the page.
-            model_box = page.get_by_label("Model directory")
-            model_box.fill(os.path.join(thinking_model_dir, "missing"))
-            model_box.press("Enter")
-            page.get_by_text(f"Could not load {os.path.join(thinking_model_dir, 'missing')}:").wait_for(timeout=30_000)
-            # The thinking model's reasoning comes folded above its answer.
-            model_box.fill(thinking_model_dir)
-            model_box.press("Enter")
-            page.get_by_text(f"Loaded {thinking_model_dir}:").wait_for(timeout=30_000)
+            # The other model the page was started with, chosen by its name; the thinking model's reasoning comes
+            # folded above its answer.
+            page.get_by_role("combobox", name="Model").click()
+            page.get_by_role("option", name="web-thinking-model0").click()
+            page.get_by_text("Loaded web-thinking-model0:").wait_for(timeout=30_000)
             page.get_by_role("button", name="Clear").click()
             send(page, "What now?", 0)
             assert_bot_texts(page, [THINKING_TITLE, ANSWER])
