@@ -42,7 +42,7 @@ from configuration_minimind import MiniMindConfig
 from minimind.data import build_dataset, collator, read_jsonl, split_train_eval
 from minimind.distributed import restore_model_code, shard_for_cpu_fsdp
 from minimind.errors import InputError
-from minimind.loading import load_model, load_native_causal_lm
+from minimind.loading import load_model, load_native_causal_lm, model_directory, read_minimind_config
 from minimind.tokenizer import load_tokenizer as _load_checked_tokenizer
 from minimind.tokenizer import save_tokenizer
 from modeling_minimind import safetensors_problem
@@ -210,11 +210,15 @@ def setup_run(training_args):
 # --------------------------------------------------------------------------------------------------------------
 
 def load_tokenizer(model_args):
+    """The run's tokenizer: --tokenizer_name_or_path, else the starting model's own, else the bundled one. The
+    starting model's directory is checked here (it exists and is MiniMind's), before any data is read."""
+    model_dir = None
+    if model_args.model_name_or_path is not None:
+        model_dir = model_directory(model_args.model_name_or_path)
+        read_minimind_config(model_dir)
     path = model_args.tokenizer_name_or_path
     if path is None:
-        model_dir = model_args.model_name_or_path
-        has_own = model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file()
-        path = model_dir if has_own else BUNDLED_TOKENIZER
+        path = model_dir if model_dir is not None and (model_dir / "tokenizer.json").is_file() else BUNDLED_TOKENIZER
     return _load_checked_tokenizer(path)
 
 

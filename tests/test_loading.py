@@ -203,3 +203,17 @@ def test_a_matching_checkpoint_loads_exactly_what_was_saved(tmp_path):
     assert not model.training
     for name, tensor in reference.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("command", ["pretrain", "grpo"])
+def test_training_refuses_a_bad_starting_model_before_reading_its_data(command, tmp_path, capsys, monkeypatch):
+    import minimind.data
+
+    monkeypatch.setattr(minimind.data, "_read_numbered_rows", lambda *a, **k: pytest.fail("the data was read"))
+    plant_code_dir(tmp_path / "planted")
+    for path, error in (("missing", "no such directory: missing"),
+                        (str(tmp_path / "planted"), f"{tmp_path / 'planted'} is not a MiniMind checkpoint")):
+        with pytest.raises(SystemExit) as exited:
+            getattr(cli, command)(["--model_name_or_path", path, "--data_path", "data/sft.jsonl",
+                                   "--output_dir", str(tmp_path / "out"), "--use_cpu"])
+        assert exited.value.code == 2 and capsys.readouterr().err.startswith(f"error: {error}")
