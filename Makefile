@@ -4,7 +4,7 @@ PYTHON ?= python
 # Elsewhere: TORCH_SPEC="torch" (or install the torch for your CUDA yourself and run `make install-package`).
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install install-package demo test test-main test-compat test-llama-cpp test-transformers-common bench gpu-check
+.PHONY: install install-package demo lint test test-main test-compat test-llama-cpp test-transformers-common bench gpu-check
 
 install:
 	@# An environment made without pip (`uv venv`, some conda envs) gets it from the standard library first.
@@ -26,7 +26,12 @@ PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Three legs: the suite under the installed transformers 5.x, again under 5.17, then the model files under 4.57
 # (each other release in its own cached venv that shares the installed torch).
-test: test-main test-compat
+test: lint test-main test-compat
+
+# ruff's lint rules and format (settings in pyproject.toml); `ruff format .` fixes the format.
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 test-main:
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests -q $(PYTEST_PARALLEL)

@@ -13,12 +13,19 @@ from transformers import PretrainedConfig
 # 16x. Upstream leaves cos/sin unscaled (attention_factor 1.0, not YaRN's 0.1*ln(16)+1); its ramp
 # clamp (dim/2-1 instead of dim-1) never binds for these values, so the frequencies equal upstream's
 # as well.
-_UPSTREAM_YARN_PRESET = {"rope_type": "yarn", "factor": 16.0,
-                         "original_max_position_embeddings": 2048,
-                         "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.0}
-_AUTO_MAP = {"AutoConfig": "configuration_minimind.MiniMindConfig",
-             "AutoModel": "modeling_minimind.MiniMindModel",
-             "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM"}
+_UPSTREAM_YARN_PRESET = {
+    "rope_type": "yarn",
+    "factor": 16.0,
+    "original_max_position_embeddings": 2048,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "attention_factor": 1.0,
+}
+_AUTO_MAP = {
+    "AutoConfig": "configuration_minimind.MiniMindConfig",
+    "AutoModel": "modeling_minimind.MiniMindModel",
+    "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM",
+}
 # The rope types transformers accepts for Qwen3, with the keys each one needs beyond
 # rope_type/rope_theta. The scaled types that stretch a pre-training length default it to
 # max_position_embeddings, as transformers does.
@@ -93,8 +100,9 @@ def _check(field, value, kind, fix):
         _fail(field, f"{problem}, got {value!r}", fix)
 
 
-def normalize_rope_parameters(rope_theta, rope_scaling=None, rope_parameters=None,
-                              max_position_embeddings=None, head_dim=None):
+def normalize_rope_parameters(
+    rope_theta, rope_scaling=None, rope_parameters=None, max_position_embeddings=None, head_dim=None
+):
     """One complete RoPE dict (`{"rope_type", "rope_theta", ...scaling keys}`) from the legacy form
     (`rope_theta` + `rope_scaling`, with `type` or `rope_type`) or the v5 form
     (`rope_parameters`)."""
@@ -104,14 +112,15 @@ def normalize_rope_parameters(rope_theta, rope_scaling=None, rope_parameters=Non
             continue
         if not isinstance(source, dict):
             example = {"rope_type": "yarn", "factor": 4.0}
-            _fail(field, f"must be a dict such as {example}, got {source!r}",
-                  "pass a dict, or None for plain RoPE")
-        forms[field] = _normalize_rope_dict(field, source, rope_theta, max_position_embeddings,
-                                            head_dim)
+            _fail(field, f"must be a dict such as {example}, got {source!r}", "pass a dict, or None for plain RoPE")
+        forms[field] = _normalize_rope_dict(field, source, rope_theta, max_position_embeddings, head_dim)
     if len(forms) == 2 and forms["rope_scaling"] != forms["rope_parameters"]:
         legacy, current = forms["rope_scaling"], forms["rope_parameters"]
-        _fail("rope_scaling", f"{legacy} contradicts rope_parameters {current}",
-              "pass only rope_parameters (rope_scaling is its legacy name)")
+        _fail(
+            "rope_scaling",
+            f"{legacy} contradicts rope_parameters {current}",
+            "pass only rope_parameters (rope_scaling is its legacy name)",
+        )
     if forms:
         return forms.get("rope_parameters", forms.get("rope_scaling"))
     return _normalize_rope_dict("rope_theta", {}, rope_theta, max_position_embeddings, head_dim)
@@ -129,30 +138,44 @@ def _normalize_rope_dict(field, source, rope_theta, max_position_embeddings, hea
     _check("rope_theta", params["rope_theta"], "positive number", "use e.g. 1e6")
     missing = [key for key in _ROPE_REQUIRED_KEYS[rope_type] if params.get(key) is None]
     if missing:
-        _fail(field, f"rope_type {rope_type!r} needs {missing}",
-              f"add {missing} (see transformers' RoPE docs)")
+        _fail(field, f"rope_type {rope_type!r} needs {missing}", f"add {missing} (see transformers' RoPE docs)")
     if "factor" in params and params["factor"] is not None:
         if not _is_number(params["factor"]) or params["factor"] < 1:
-            _fail(field, f"factor must be a number >= 1, got {params['factor']!r}",
-                  "set 'factor' to the context-length multiplier, 1.0 or more")
+            _fail(
+                field,
+                f"factor must be a number >= 1, got {params['factor']!r}",
+                "set 'factor' to the context-length multiplier, 1.0 or more",
+            )
         params["factor"] = float(params["factor"])
     if rope_type in _ROPE_WITH_ORIGINAL_LENGTH:
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
-        _check(field, params["original_max_position_embeddings"], "positive int",
-               "set 'original_max_position_embeddings' to the pre-training context length")
+        _check(
+            field,
+            params["original_max_position_embeddings"],
+            "positive int",
+            "set 'original_max_position_embeddings' to the pre-training context length",
+        )
     if rope_type == "longrope":
         for key in ("short_factor", "long_factor"):
             factors = params[key]
-            if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2 or not all(
-                    _is_number(f) for f in factors):
-                _fail(field, f"{key} must list head_dim/2 = {head_dim // 2} numbers, got "
-                      f"{factors!r}",
-                      f"give one factor per rotary frequency ({head_dim // 2})")
+            if (
+                not isinstance(factors, (list, tuple))
+                or len(factors) != head_dim // 2
+                or not all(_is_number(f) for f in factors)
+            ):
+                _fail(
+                    field,
+                    f"{key} must list head_dim/2 = {head_dim // 2} numbers, got {factors!r}",
+                    f"give one factor per rotary frequency ({head_dim // 2})",
+                )
     if rope_type == "llama3":
         low, high = params["low_freq_factor"], params["high_freq_factor"]
         if not (_is_number(low) and _is_number(high) and high > low > 0):
-            _fail(field, f"needs 0 < low_freq_factor < high_freq_factor, got {low!r} and {high!r}",
-                  "use e.g. low_freq_factor 1.0, high_freq_factor 4.0")
+            _fail(
+                field,
+                f"needs 0 < low_freq_factor < high_freq_factor, got {low!r} and {high!r}",
+                "use e.g. low_freq_factor 1.0, high_freq_factor 4.0",
+            )
     return params
 
 
@@ -230,15 +253,19 @@ class MiniMindConfig(PretrainedConfig):
         if hidden_act not in _ACTIVATIONS:
             _fail("hidden_act", f"unsupported activation {hidden_act!r}", "use 'silu' (SwiGLU)")
         if num_attention_heads % num_key_value_heads:
-            _fail("num_key_value_heads", f"{num_attention_heads} query heads are not divisible by "
-                  f"{num_key_value_heads} key/value heads",
-                  "choose num_key_value_heads dividing num_attention_heads")
+            _fail(
+                "num_key_value_heads",
+                f"{num_attention_heads} query heads are not divisible by {num_key_value_heads} key/value heads",
+                "choose num_key_value_heads dividing num_attention_heads",
+            )
 
         if head_dim is None:
             if hidden_size % num_attention_heads:
-                _fail("head_dim", f"hidden_size {hidden_size} is not divisible by "
-                      f"num_attention_heads {num_attention_heads}",
-                      "pass head_dim explicitly or change the head count")
+                _fail(
+                    "head_dim",
+                    f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}",
+                    "pass head_dim explicitly or change the head count",
+                )
             head_dim = hidden_size // num_attention_heads
         if intermediate_size is None:
             # Upstream MiniMind's rule: about pi x hidden, rounded up to a multiple of 64.
@@ -250,36 +277,44 @@ class MiniMindConfig(PretrainedConfig):
 
         _check("head_dim", head_dim, "positive int", "use an even head_dim such as 64")
         if head_dim % 2:
-            _fail("head_dim", f"must be even (RoPE rotates pairs), got {head_dim}",
-                  "use an even head_dim such as 64")
-        for field, size in (("intermediate_size", intermediate_size),
-                            ("moe_intermediate_size", moe_intermediate_size)):
+            _fail("head_dim", f"must be even (RoPE rotates pairs), got {head_dim}", "use an even head_dim such as 64")
+        for field, size in (
+            ("intermediate_size", intermediate_size),
+            ("moe_intermediate_size", moe_intermediate_size),
+        ):
             _check(field, size, "positive int", "pass a whole number > 0 or None")
         if use_moe:
             _check("num_experts", num_experts, "positive int", "use e.g. 4")
-            _check("decoder_sparse_step", decoder_sparse_step, "positive int",
-                   "use 1 to make every layer sparse")
+            _check("decoder_sparse_step", decoder_sparse_step, "positive int", "use 1 to make every layer sparse")
             if not _is_int(num_experts_per_tok) or not 1 <= num_experts_per_tok <= num_experts:
-                _fail("num_experts_per_tok", f"top-k {num_experts_per_tok!r} must be between 1 and "
-                      f"num_experts ({num_experts})", "lower num_experts_per_tok or add experts")
+                _fail(
+                    "num_experts_per_tok",
+                    f"top-k {num_experts_per_tok!r} must be between 1 and num_experts ({num_experts})",
+                    "lower num_experts_per_tok or add experts",
+                )
         if mlp_only_layers is not None and not isinstance(mlp_only_layers, (list, tuple)):
-            _fail("mlp_only_layers", f"must be a list of layer indices, got {mlp_only_layers!r}",
-                  "pass e.g. [0]")
+            _fail("mlp_only_layers", f"must be a list of layer indices, got {mlp_only_layers!r}", "pass e.g. [0]")
         mlp_only_layers = list(mlp_only_layers or [])
-        bad_layers = [i for i in mlp_only_layers
-                      if not _is_int(i) or not 0 <= i < num_hidden_layers]
+        bad_layers = [i for i in mlp_only_layers if not _is_int(i) or not 0 <= i < num_hidden_layers]
         if bad_layers:
-            _fail("mlp_only_layers",
-                  f"layer indices {bad_layers} are outside 0..{num_hidden_layers - 1}",
-                  "list existing layer indices only")
-        for field, token_id in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
-                                ("pad_token_id", pad_token_id)):
+            _fail(
+                "mlp_only_layers",
+                f"layer indices {bad_layers} are outside 0..{num_hidden_layers - 1}",
+                "list existing layer indices only",
+            )
+        for field, token_id in (
+            ("bos_token_id", bos_token_id),
+            ("eos_token_id", eos_token_id),
+            ("pad_token_id", pad_token_id),
+        ):
             ids = token_id if isinstance(token_id, (list, tuple)) else [token_id]
             if any(i is not None and (not _is_int(i) or not 0 <= i < vocab_size) for i in ids):
-                _fail(field, f"{token_id!r} is not a token id in [0, {vocab_size})",
-                      "use the tokenizer's id for it, or None")
-        rope = normalize_rope_parameters(rope_theta, rope_scaling, rope_parameters,
-                                         max_position_embeddings, head_dim)
+                _fail(
+                    field,
+                    f"{token_id!r} is not a token id in [0, {vocab_size})",
+                    "use the tokenizer's id for it, or None",
+                )
+        rope = normalize_rope_parameters(rope_theta, rope_scaling, rope_parameters, max_position_embeddings, head_dim)
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -334,15 +369,24 @@ class MiniMindConfig(PretrainedConfig):
 
     def is_moe_layer(self, layer_idx):
         """Qwen3-MoE's rule: sparse unless in `mlp_only_layers`, every `decoder_sparse_step`-th."""
-        return (self.use_moe and layer_idx not in self.mlp_only_layers
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+        return (
+            self.use_moe and layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def minillama_0_04b(cls, **overrides):
         """The MiniLLaMA-0.04B preset: 35,926,528 parameters (tied, no q/k norm)."""
-        preset = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=12, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=64, intermediate_size=1408,
-                      tie_word_embeddings=True, qk_norm=False)
+        preset = dict(
+            vocab_size=4096,
+            hidden_size=512,
+            num_hidden_layers=12,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            intermediate_size=1408,
+            tie_word_embeddings=True,
+            qk_norm=False,
+        )
         preset.update(overrides)
         return cls(**preset)
 

@@ -84,8 +84,7 @@ def _mask_kwargs(cache, position_ids, cache_position):
 if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):  # 5.x
 
     def _attention_interface(self):
-        return ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward)
+        return ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
 
 else:  # 4.57: no get_interface and no "eager" entry
 
@@ -126,12 +125,13 @@ def _update_takes_indices(cache_class):  # once per class: this runs in every la
 # Rotary position embedding
 # ------------------------------------------------------------------------------------------------
 
+
 def compute_default_rope_parameters(config, device=None, **kwargs):
     """Plain RoPE: inverse frequencies theta^(-2i/Dh) [Dh/2] in fp32, and no cos/sin scaling."""
     base, dim = config.rope_parameters["rope_theta"], config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32)
     exponents = exponents / dim
-    return 1.0 / (base ** exponents), 1.0
+    return 1.0 / (base**exponents), 1.0
 
 
 def compute_rope_parameters(config, device=None, seq_len=None, **kwargs):
@@ -190,6 +190,7 @@ def apply_rotary_pos_emb(q, k, cos, sin):
 # Norm, attention, feed-forward
 # ------------------------------------------------------------------------------------------------
 
+
 class MiniMindRMSNorm(nn.Module):
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
@@ -214,8 +215,7 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(b, k, n_rep, s, d).reshape(b, k * n_rep, s, d)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0,
-                            **kwargs):
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Explicit attention: q [B, H, T, Dh], k/v [B, K, S, Dh], mask [B, 1, T, S] -> [B, T, H, Dh].
 
     The mask is additive (0 / -inf) or boolean (True = attend), as transformers' mask utilities and
@@ -226,7 +226,8 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             attention_mask = torch.zeros_like(attention_mask, dtype=scores.dtype).masked_fill(
-                ~attention_mask, torch.finfo(scores.dtype).min)
+                ~attention_mask, torch.finfo(scores.dtype).min
+            )
         scores = scores + attention_mask
     # Softmax in fp32: in bf16 the row sums drift and long rows lose their small weights.
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -260,8 +261,9 @@ class MiniMindAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
-                cache_position=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings, attention_mask=None, cache=None, cache_position=None, **kwargs
+    ):
         input_shape = hidden_states.shape[:-1]  # [B, T]
         # -1: the heads (this rank's share under tensor parallelism)
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -283,7 +285,11 @@ class MiniMindAttention(nn.Module):
 
         attention_interface = _attention_interface(self)
         out, weights = attention_interface(
-            self, q, k, v, attention_mask,
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
             dropout=self.attention_dropout if self.training else 0.0,
             scaling=self.scaling,
             **kwargs,
@@ -372,8 +378,13 @@ class MiniMindExperts(nn.ModuleList):
         # Without autograd, experts that got no tokens are skipped (a decode step leaves most of
         # them idle); with it, every expert runs so that each gets a (zero) gradient, as optimisers
         # and DDP expect.
-        expert_out = torch.cat([expert(chunk) for expert, chunk in zip(self, grouped.split(counts))
-                                if len(chunk) or torch.is_grad_enabled()])  # [N*k, D]
+        expert_out = torch.cat(
+            [
+                expert(chunk)
+                for expert, chunk in zip(self, grouped.split(counts))
+                if len(chunk) or torch.is_grad_enabled()
+            ]
+        )  # [N*k, D]
         expert_out = expert_out * top_k_weights.reshape(-1)[order, None].to(expert_out.dtype)
         # Summed in the residual stream's dtype: under bf16 autocast the top-k outputs add up in
         # fp32, as in Qwen3-MoE.
@@ -427,11 +438,17 @@ class MiniMindDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = MiniMindRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = MiniMindRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
-                cache_position=None, **kwargs):
+    def forward(
+        self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, cache_position=None, **kwargs
+    ):
         attn_out, _ = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache=cache,
-            cache_position=cache_position, **kwargs)
+            self.input_layernorm(hidden_states),
+            position_embeddings,
+            attention_mask,
+            cache=cache,
+            cache_position=cache_position,
+            **kwargs,
+        )
         hidden_states = hidden_states + attn_out  # [B, T, D]
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))  # [B, T, D]
 
@@ -439,6 +456,7 @@ class MiniMindDecoderLayer(GradientCheckpointingLayer):
 # ------------------------------------------------------------------------------------------------
 # Input checks: bad input fails here with a message naming the fix, not later as garbage
 # ------------------------------------------------------------------------------------------------
+
 
 def check_token_ids(input_ids, vocab_size, past_seen):
     # A one-token step that extends a cache feeds back the model's own prediction: skipping the
@@ -454,7 +472,8 @@ def check_token_ids(input_ids, vocab_size, past_seen):
         raise ValueError(
             f"input_ids contain token id(s) {bad} outside the vocabulary [0, {vocab_size}). Fix: "
             f"tokenize with this model's tokenizer, or resize_token_embeddings() after adding "
-            f"tokens.")
+            f"tokens."
+        )
 
 
 def check_mask_shape(attention_mask, batch, num_heads, past_seen, q_len):
@@ -476,15 +495,18 @@ def check_mask_shape(attention_mask, batch, num_heads, past_seen, q_len):
         raise ValueError(
             f"attention_mask has shape {list(shape)} but these inputs need {expected} (batch "
             f"{batch}, {q_len} new tokens, {past_seen} cached). Fix: pass one mask column per "
-            f"token of the full sequence, cached tokens included.")
+            f"token of the full sequence, cached tokens included."
+        )
 
 
 def check_generation_mask(inputs, kwargs):
     """generate() turns a 2-D mask into position ids (and may drop it when it is all ones) before
     any forward runs: a mask of the wrong length would shift every position silently."""
     mask = kwargs.get("attention_mask")
-    prompt = next((t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds"))
-                   if isinstance(t, torch.Tensor)), None)
+    prompt = next(
+        (t for t in (inputs, kwargs.get("input_ids"), kwargs.get("inputs_embeds")) if isinstance(t, torch.Tensor)),
+        None,
+    )
     continues_cache = kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or prompt is None or continues_cache:
         return
@@ -492,7 +514,8 @@ def check_generation_mask(inputs, kwargs):
         raise ValueError(
             f"attention_mask has shape {list(mask.shape)} but the prompt is "
             f"{list(prompt.shape[:2])}. Fix: pass one mask column per prompt token (the "
-            f"attention_mask the tokenizer returned with these input_ids).")
+            f"attention_mask the tokenizer returned with these input_ids)."
+        )
 
 
 def safetensors_problem(path):
@@ -508,8 +531,7 @@ def safetensors_problem(path):
             header = json.loads(file.read(header_len))
     except (OSError, struct.error, ValueError, UnicodeDecodeError) as err:
         return f"unreadable header: {err}"
-    data_end = max((entry["data_offsets"][1] for key, entry in header.items()
-                    if key != "__metadata__"), default=0)
+    data_end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
     if 8 + header_len + data_end != size:
         return f"{size} bytes where its header promises {8 + header_len + data_end}"
     return None
@@ -518,6 +540,7 @@ def safetensors_problem(path):
 # ------------------------------------------------------------------------------------------------
 # Models
 # ------------------------------------------------------------------------------------------------
+
 
 class MiniMindPreTrainedModel(PreTrainedModel):
     config_class = MiniMindConfig
@@ -555,12 +578,13 @@ class MiniMindPreTrainedModel(PreTrainedModel):
             # safetensors names neither the file nor the directory it could not read.
             folder = Path(str(pretrained_model_name_or_path))
             files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-            damaged = [f"{path} ({problem})" for path in files
-                       if (problem := safetensors_problem(path))]
+            damaged = [f"{path} ({problem})" for path in files if (problem := safetensors_problem(path))]
             where = ", ".join(damaged) or f"a weights file of {pretrained_model_name_or_path}"
-            raise OSError(f"{where}: the safetensors file is incomplete or damaged ({err}). Fix: "
-                          f"copy or download it again; a checkpoint killed mid-save is not "
-                          f"loadable, take an earlier one.") from err
+            raise OSError(
+                f"{where}: the safetensors file is incomplete or damaged ({err}). Fix: "
+                f"copy or download it again; a checkpoint killed mid-save is not "
+                f"loadable, take an earlier one."
+            ) from err
 
     def _init_weights(self, module):
         # torch.nn.init (not `.data`) so that transformers skips tensors already loaded from a
@@ -589,8 +613,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            MiniMindDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(MiniMindDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = MiniMindRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MiniMindRotaryEmbedding(config)
         self.gradient_checkpointing = False
@@ -604,9 +627,17 @@ class MiniMindModel(MiniMindPreTrainedModel):
 
     @_deprecated_cache_keyword
     @capture_outputs
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, cache=None,
-                **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        use_cache=None,
+        cache=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMind needs exactly one of input_ids or inputs_embeds.")
         kwargs.pop("cache_position", None)  # from 4.57's generate; recomputed below
@@ -623,8 +654,10 @@ class MiniMindModel(MiniMindPreTrainedModel):
 
         batch, q_len = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
         if q_len == 0:
-            raise ValueError("MiniMind got an empty sequence (0 tokens). Fix: pass at least one "
-                             "token, e.g. the tokenizer's bos_token_id as the prompt.")
+            raise ValueError(
+                "MiniMind got an empty sequence (0 tokens). Fix: pass at least one "
+                "token, e.g. the tokenizer's bos_token_id as the prompt."
+            )
         # The paged cache of continuous batching is no `Cache`: it brings its own positions and
         # masks.
         past_seen = cache.get_seq_length() if isinstance(cache, Cache) else 0
@@ -648,24 +681,31 @@ class MiniMindModel(MiniMindPreTrainedModel):
             raise ValueError(
                 f"position_ids cover {position_ids.shape[-1]} tokens but the input has {q_len}. "
                 f"Fix: pass one position per input token; with generate(), pass an attention_mask "
-                f"with one column per prompt token (the one the tokenizer returned).")
+                f"with one column per prompt token (the one the tokenizer returned)."
+            )
 
         # A cache made here is still empty, so the mask needs none; without one, create_causal_mask
         # finds packed rows (restarting position_ids) and keeps attention inside each. The paged
         # kernel of continuous batching brings its own mask.
         mask_cache = None if fresh_cache or _kernel_writes_cache(cache) else cache
-        mask = create_causal_mask(self.config, inputs_embeds, attention_mask,
-                                  **_mask_kwargs(mask_cache, position_ids, cache_position))
+        mask = create_causal_mask(
+            self.config, inputs_embeds, attention_mask, **_mask_kwargs(mask_cache, position_ids, cache_position)
+        )
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)  # cos, sin [B|1, T, Dh]
         for layer in self.layers:
             hidden_states = layer(
-                hidden_states, position_embeddings=position_embeddings, attention_mask=mask,
-                cache=cache, cache_position=cache_position, position_ids=position_ids, **kwargs)
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=mask,
+                cache=cache,
+                cache_position=cache_position,
+                position_ids=position_ids,
+                **kwargs,
+            )
         hidden_states = self.norm(hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=hidden_states,
-                                      **{_CACHE_FIELD: cache if use_cache else None})
+        return MoeModelOutputWithPast(last_hidden_state=hidden_states, **{_CACHE_FIELD: cache if use_cache else None})
 
     def _warn_past_trained_length(self, past_seen, q_len):
         # RoPE runs past the trained length (and `dynamic` scaling exists for exactly that), so
@@ -676,7 +716,8 @@ class MiniMindModel(MiniMindPreTrainedModel):
             logger.warning_once(  # no length in the message, so it is logged once per process
                 f"A sequence is longer than max_position_embeddings={limit}; quality may drop past "
                 f"the trained length. RoPE scaling (rope_parameters with rope_type 'dynamic' or "
-                f"'yarn') extends the context.")
+                f"'yarn') extends the context."
+            )
 
 
 class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
@@ -706,10 +747,21 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     @_deprecated_cache_keyword
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
-                return_dict=None, logits_to_keep=0, cache=None,
-                **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast | tuple:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_router_logits=None,
+        return_dict=None,
+        logits_to_keep=0,
+        cache=None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast | tuple:
         """`labels` [B, T] are the input ids themselves (-100 = ignore); the loss shifts them. With
         an int `logits_to_keep`, the loss covers the kept last positions (labels cut to match)."""
         config = self.config
@@ -723,9 +775,16 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss_keys = ("num_items_in_batch", "ignore_index", "shift_labels")
         loss_kwargs = {key: kwargs.pop(key) for key in loss_keys if key in kwargs}
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            cache=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
-            use_cache=use_cache, output_router_logits=want_aux, return_dict=True, **kwargs)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=want_aux,
+            return_dict=True,
+            **kwargs,
+        )
 
         hidden_states = outputs.last_hidden_state  # [B, T, D]
         if isinstance(logits_to_keep, int):
@@ -737,16 +796,19 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss = aux_loss = None
         if labels is not None:
             labels = self._labels_for(labels, logits, logits_to_keep)
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size,
-                                      **loss_kwargs)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size, **loss_kwargs)
         if want_aux:
-            aux_loss = load_balancing_loss(outputs.router_logits, config.num_experts,
-                                           config.num_experts_per_tok, attention_mask)
+            aux_loss = load_balancing_loss(
+                outputs.router_logits, config.num_experts, config.num_experts_per_tok, attention_mask
+            )
             if loss is not None and aux_loss is not None:
                 loss = loss + config.router_aux_loss_coef * aux_loss.to(loss.device)
 
         out = MoeCausalLMOutputWithPast(
-            loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=outputs.router_logits if want_aux else None,
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
@@ -762,9 +824,11 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         if labels.shape[1] == logits.shape[1]:
             return labels
         if not isinstance(logits_to_keep, int):
-            raise ValueError("labels with a tensor logits_to_keep are ambiguous. Fix: pass an int "
-                             "logits_to_keep, or labels already aligned to the kept positions.")
-        return labels[:, -logits.shape[1]:]
+            raise ValueError(
+                "labels with a tensor logits_to_keep are ambiguous. Fix: pass an int "
+                "logits_to_keep, or labels already aligned to the kept positions."
+            )
+        return labels[:, -logits.shape[1] :]
 
 
 # Saved checkpoints carry `auto_map` and a copy of this file and the config's: they load with

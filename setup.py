@@ -8,9 +8,21 @@ from setuptools import find_packages, setup
 
 # The installed commands: `minimind-<name>` runs `minimind.cli.<function>` (scripts/*.py run the same functions).
 COMMANDS = {
-    "pretrain": "pretrain", "sft": "sft", "lora": "lora", "dpo": "dpo", "distill": "distill", "grpo": "grpo",
-    "demo": "demo", "chat": "chat", "serve": "serve", "export": "export", "push": "push_to_hub", "convert": "convert",
-    "train-tokenizer": "train_tokenizer", "benchmark": "benchmark", "eval": "evaluate",
+    "pretrain": "pretrain",
+    "sft": "sft",
+    "lora": "lora",
+    "dpo": "dpo",
+    "distill": "distill",
+    "grpo": "grpo",
+    "demo": "demo",
+    "chat": "chat",
+    "serve": "serve",
+    "export": "export",
+    "push": "push_to_hub",
+    "convert": "convert",
+    "train-tokenizer": "train_tokenizer",
+    "benchmark": "benchmark",
+    "eval": "evaluate",
     "web": "web",
 }
 
@@ -46,7 +58,20 @@ setup(
         "mutate": ["mutmut==3.8.1"],  # `make mutate`: mutation testing, not part of `make test`
         # playwright drives the system's chromium (apt install chromium) in the web page's browser test
         # pytest-xdist: `make test` runs the suite in two worker processes (PYTEST_WORKERS)
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "gguf>=0.19", "fastapi>=0.110", "uvicorn>=0.29", "openai>=1.26",
-                "httpx>=0.27", "lm-eval>=0.4.13", "gradio>=6.0", "playwright>=1.40", "torchao>=0.18"],
+        # ruff: `make test` checks lint and format first; pinned so that every machine formats alike
+        "dev": [
+            "ruff==0.17.6",
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "gguf>=0.19",
+            "fastapi>=0.110",
+            "uvicorn>=0.29",
+            "openai>=1.26",
+            "httpx>=0.27",
+            "lm-eval>=0.4.13",
+            "gradio>=6.0",
+            "playwright>=1.40",
+            "torchao>=0.18",
+        ],
     },
 )

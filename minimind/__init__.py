@@ -14,8 +14,10 @@ class _KnownImportNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not ((message.startswith("Failed to load") and "torchao" in message)
-                    or "is an Enum subclass and is now natively supported" in message)
+        return not (
+            (message.startswith("Failed to load") and "torchao" in message)
+            or "is an Enum subclass and is now natively supported" in message
+        )
 
 
 for _name in ("torchao", "torch.utils._pytree"):

@@ -40,6 +40,7 @@ EQUAL_TOLERANCE = 0.03  # a ratio within 3% of 1.0 counts as equal
 # Settings and rows
 # ----------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class BenchmarkSettings:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
@@ -113,19 +114,35 @@ class Row:
 # Shapes and workloads
 # ----------------------------------------------------------------------------------------------------------
 
+
 def model_shapes(quick):
     """Named configs. Full: the 64M default and a 512-wide model; quick: the test suite's tiny sizes."""
     if quick:
-        tiny = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                    rope_theta=10000.0)
+        tiny = dict(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+        )
         moe = dict(tiny, use_moe=True, num_experts=4, moe_intermediate_size=96)
-        return {"64M": tiny, "small": dict(tiny, hidden_size=32),
-                "moe-top1": dict(moe, num_experts_per_tok=1), "moe-top2": dict(moe, num_experts_per_tok=2)}
+        return {
+            "64M": tiny,
+            "small": dict(tiny, hidden_size=32),
+            "moe-top1": dict(moe, num_experts_per_tok=1),
+            "moe-top2": dict(moe, num_experts_per_tok=2),
+        }
     # MoE: the small shape with 4 experts the size of its dense MLP (active FLOPs at top-1 = the dense model).
     moe = dict(hidden_size=512, use_moe=True, num_experts=4)
-    return {"64M": {}, "small": dict(hidden_size=512),
-            "moe-top1": dict(moe, num_experts_per_tok=1), "moe-top2": dict(moe, num_experts_per_tok=2)}
+    return {
+        "64M": {},
+        "small": dict(hidden_size=512),
+        "moe-top1": dict(moe, num_experts_per_tok=1),
+        "moe-top2": dict(moe, num_experts_per_tok=2),
+    }
 
 
 def default_workloads(quick, device_type):
@@ -144,14 +161,35 @@ def default_workloads(quick, device_type):
     rows.append(Workload("prefill-512-64M", "64M", "prefill", 1, prefill_t, dtype=decode_dtype))
     for cache in ("dynamic", "static"):
         for batch in (1, 8):
-            rows.append(Workload(f"decode-{cache}-b{batch}-64M", "64M", "decode", batch, prompt, new,
-                                 dtype=decode_dtype, cache=cache))
+            rows.append(
+                Workload(
+                    f"decode-{cache}-b{batch}-64M",
+                    "64M",
+                    "decode",
+                    batch,
+                    prompt,
+                    new,
+                    dtype=decode_dtype,
+                    cache=cache,
+                )
+            )
     for shape in ("moe-top1", "moe-top2"):
         rows.append(Workload(f"train-fp32-{shape}", shape, "train", *train_bt, dtype="fp32"))
         rows.append(Workload(f"decode-dynamic-b1-{shape}", shape, "decode", 1, prompt, new, dtype=decode_dtype))
     # Last: its compile time is the one open-ended cost, and a run cut short keeps every row before it.
-    rows.append(Workload("decode-static-compile-b1-64M", "64M", "decode", 1, prompt, new, dtype=decode_dtype,
-                         cache="static", compile=True))
+    rows.append(
+        Workload(
+            "decode-static-compile-b1-64M",
+            "64M",
+            "decode",
+            1,
+            prompt,
+            new,
+            dtype=decode_dtype,
+            cache="static",
+            compile=True,
+        )
+    )
     return rows
 
 
@@ -171,6 +209,7 @@ def select_workloads(workloads, patterns):
 # ----------------------------------------------------------------------------------------------------------
 # Identical models: ours and transformers' Qwen3 / Qwen3-MoE
 # ----------------------------------------------------------------------------------------------------------
+
 
 def build_pair(shape_overrides, device, dtype, attn_implementation, seed):
     """Ours and native with the same weights, on `device` in `dtype`, in eval mode.
@@ -194,14 +233,17 @@ def build_pair(shape_overrides, device, dtype, attn_implementation, seed):
 # FLOPs
 # ----------------------------------------------------------------------------------------------------------
 
+
 def matmul_params_per_token(config):
     """Weights each token multiplies through in the decoder layers (active experts only)."""
     attn = config.hidden_size * config.head_dim * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
     total = 0
     for layer in range(config.num_hidden_layers):
         if config.is_moe_layer(layer):
-            mlp = (config.hidden_size * config.num_experts
-                   + config.num_experts_per_tok * 3 * config.hidden_size * config.moe_intermediate_size)
+            mlp = (
+                config.hidden_size * config.num_experts
+                + config.num_experts_per_tok * 3 * config.hidden_size * config.moe_intermediate_size
+            )
         else:
             mlp = 3 * config.hidden_size * config.intermediate_size
         total += attn + mlp
@@ -234,6 +276,7 @@ def workload_flops(config, w):
 # Device helpers: sync, peak memory, matmul ceiling
 # ----------------------------------------------------------------------------------------------------------
 
+
 def resolve_device(name):
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -249,8 +292,21 @@ def synchronize(device):
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap_probe():
@@ -320,7 +376,7 @@ def matmul_ceiling(device, dtype, size, repeats=3):
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best / 1e9
+    return 2 * size**3 / best / 1e9
 
 
 def machine_details(device):
@@ -382,8 +438,13 @@ def make_prefill(model, ids):
 def generation_kwargs(w, compile_forward):
     from transformers import CompileConfig
 
-    kwargs = dict(max_new_tokens=w.new_tokens, min_new_tokens=w.new_tokens, do_sample=False,
-                  return_dict_in_generate=True, disable_compile=not compile_forward)
+    kwargs = dict(
+        max_new_tokens=w.new_tokens,
+        min_new_tokens=w.new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        disable_compile=not compile_forward,
+    )
     if w.cache == "static":
         kwargs["cache_implementation"] = "static"
     if compile_forward:
@@ -473,9 +534,18 @@ def measure(w, shape_overrides, settings, device, log):
     """Build the pair for one workload, warm up (taking peak memory and checking the KV cache), then time."""
     compile_forward = w.compile and _compile_enabled(settings, device)
     if w.compile and not compile_forward:
-        return Row(w, [], [], 0, 0.0, skipped=(
-            "torch.compile skipped on CPU (inductor compile time exceeds the run's budget; "
-            "--compile on to try it)" if device.type == "cpu" else "--compile off"))
+        return Row(
+            w,
+            [],
+            [],
+            0,
+            0.0,
+            skipped=(
+                "torch.compile skipped on CPU (inductor compile time exceeds the run's budget; --compile on to try it)"
+                if device.type == "cpu"
+                else "--compile off"
+            ),
+        )
     weight_dtype = DTYPES[w.dtype] if w.kind != "train" else torch.float32
     ours, native = build_pair(shape_overrides, device, weight_dtype, settings.attn_implementation, settings.seed)
     config = ours.config
@@ -483,8 +553,10 @@ def measure(w, shape_overrides, settings, device, log):
     ids = torch.randint(3, config.vocab_size, (w.batch, w.seq_len), generator=generator).to(device)
 
     if w.kind == "train":
-        fns = {name: make_train_step(m, ids, device, w.dtype, config.use_moe)
-               for name, m in (("ours", ours), ("native", native))}
+        fns = {
+            name: make_train_step(m, ids, device, w.dtype, config.use_moe)
+            for name, m in (("ours", ours), ("native", native))
+        }
     elif w.kind == "prefill":
         fns = {name: make_prefill(m, ids) for name, m in (("ours", ours), ("native", native))}
     else:
@@ -497,8 +569,15 @@ def measure(w, shape_overrides, settings, device, log):
     if row_matches(w.row_id, settings.profile):
         for name, fn in fns.items():
             log(f"profile of {w.row_id}, {name}:\n{profile_table(fn, device)}")
-    row = Row(w, times["ours"], times["native"], w.batch * (w.new_tokens if w.kind == "decode" else w.seq_len),
-              workload_flops(config, w), peak_ours=peaks["ours"], peak_native=peaks["native"])
+    row = Row(
+        w,
+        times["ours"],
+        times["native"],
+        w.batch * (w.new_tokens if w.kind == "decode" else w.seq_len),
+        workload_flops(config, w),
+        peak_ours=peaks["ours"],
+        peak_native=peaks["native"],
+    )
     if w.kind == "decode":
         out = outputs["ours"]
         assert out.sequences.shape[1] == w.seq_len + w.new_tokens
@@ -506,7 +585,8 @@ def measure(w, shape_overrides, settings, device, log):
         row.kv_bytes, row.kv_expected = kv_cache_bytes(cache), expected_kv_bytes(config, w)
         assert row.kv_bytes == row.kv_expected, (
             f"{w.row_id}: KV cache holds {row.kv_bytes} bytes, expected {row.kv_expected} "
-            f"(2 x layers x tokens x kv_heads x head_dim x dtype bytes)")
+            f"(2 x layers x tokens x kv_heads x head_dim x dtype bytes)"
+        )
     notes = []
     if w.kind == "decode":  # same length either way (min_new_tokens); same tokens says both computed alike
         same = torch.equal(outputs["ours"].sequences, outputs["native"].sequences)
@@ -514,8 +594,10 @@ def measure(w, shape_overrides, settings, device, log):
     if config.use_moe:
         notes.append(f"native experts: {native.config._experts_implementation}")
     row.note = "; ".join(notes)
-    log(f"{w.row_id}: ours {row.tokens_per_second(row.ours_seconds):.1f} tok/s, native "
-        f"{row.tokens_per_second(row.native_seconds):.1f} tok/s, ratio {row.ratio:.3f}")
+    log(
+        f"{w.row_id}: ours {row.tokens_per_second(row.ours_seconds):.1f} tok/s, native "
+        f"{row.tokens_per_second(row.native_seconds):.1f} tok/s, ratio {row.ratio:.3f}"
+    )
     return row
 
 
@@ -527,9 +609,20 @@ def _compile_enabled(settings, device):
 # Report
 # ----------------------------------------------------------------------------------------------------------
 
-TABLE_COLUMNS = ["row", "shape", "B x T (+new)", "dtype", "ours tok/s", "native tok/s", "ratio (min-max)",
-                 "verdict", "ours GFLOP/s (% of ceiling)", "peak mem ours / native", "KV cache bytes (= formula)",
-                 "notes"]
+TABLE_COLUMNS = [
+    "row",
+    "shape",
+    "B x T (+new)",
+    "dtype",
+    "ours tok/s",
+    "native tok/s",
+    "ratio (min-max)",
+    "verdict",
+    "ours GFLOP/s (% of ceiling)",
+    "peak mem ours / native",
+    "KV cache bytes (= formula)",
+    "notes",
+]
 
 
 @dataclass
@@ -551,12 +644,14 @@ class BenchmarkReport:
         ceilings = ", ".join(f"{name} {value:.1f} GFLOP/s" for name, value in self.ceilings.items())
         mode = "quick mode: tiny shapes, numbers meaningless" if self.settings.quick else "full mode"
         command = self.settings.command or "python scripts/benchmark.py"
-        return (f"# MiniMind vs transformers' Qwen3 / Qwen3-MoE\n\n"
-                f"Generated by `{command}` ({mode}). Same config, same weights, same process; ours and "
-                f"native interleaved on every repeat.\n\n"
-                f"## Machine\n\n{details}\n- matmul ceiling measured in this run: {ceilings}\n\n"
-                f"## Results\n\n{self.table()}\n\n## How to read it\n\n{REPORT_NOTES}"
-                + (f"\n{self.peers.markdown()}" if self.peers is not None else ""))
+        return (
+            f"# MiniMind vs transformers' Qwen3 / Qwen3-MoE\n\n"
+            f"Generated by `{command}` ({mode}). Same config, same weights, same process; ours and "
+            f"native interleaved on every repeat.\n\n"
+            f"## Machine\n\n{details}\n- matmul ceiling measured in this run: {ceilings}\n\n"
+            f"## Results\n\n{self.table()}\n\n## How to read it\n\n{REPORT_NOTES}"
+            + (f"\n{self.peers.markdown()}" if self.peers is not None else "")
+        )
 
 
 REPORT_NOTES = """\
@@ -586,7 +681,7 @@ REPORT_NOTES = """\
 def _mib(value):
     if value is None:
         return "n/a"
-    return f"{value / 2 ** 20:.0f} MiB" if value >= 2 ** 20 else f"{value / 2 ** 10:.0f} KiB"
+    return f"{value / 2**20:.0f} MiB" if value >= 2**20 else f"{value / 2**10:.0f} KiB"
 
 
 def _cells(row, ceilings):
@@ -599,14 +694,26 @@ def _cells(row, ceilings):
         return [w.row_id, w.shape, shape, dtype, "-", "-", "-", "skipped", "-", "-", "-", row.skipped]
     gflops = row.flops / statistics.median(row.ours_seconds) / 1e9
     ceiling = ceilings[w.dtype]
-    kv = "-" if row.kv_bytes is None else (
-        f"{row.kv_bytes:,} {'=' if row.kv_bytes == row.kv_expected else '!='} {row.kv_expected:,}")
+    kv = (
+        "-"
+        if row.kv_bytes is None
+        else (f"{row.kv_bytes:,} {'=' if row.kv_bytes == row.kv_expected else '!='} {row.kv_expected:,}")
+    )
     ratios = row.ratios
-    return [w.row_id, w.shape, shape, dtype, f"{row.tokens_per_second(row.ours_seconds):,.1f}",
-            f"{row.tokens_per_second(row.native_seconds):,.1f}",
-            f"{row.ratio:.3f} ({min(ratios):.2f}-{max(ratios):.2f})", row.verdict,
-            f"{gflops:,.1f} ({100 * gflops / ceiling:.1f}%)", f"{_mib(row.peak_ours)} / {_mib(row.peak_native)}",
-            kv, row.note]
+    return [
+        w.row_id,
+        w.shape,
+        shape,
+        dtype,
+        f"{row.tokens_per_second(row.ours_seconds):,.1f}",
+        f"{row.tokens_per_second(row.native_seconds):,.1f}",
+        f"{row.ratio:.3f} ({min(ratios):.2f}-{max(ratios):.2f})",
+        row.verdict,
+        f"{gflops:,.1f} ({100 * gflops / ceiling:.1f}%)",
+        f"{_mib(row.peak_ours)} / {_mib(row.peak_native)}",
+        kv,
+        row.note,
+    ]
 
 
 @contextlib.contextmanager
@@ -661,8 +768,11 @@ def _run(settings, device, log, on_row):
     for w in workloads:
         rows.append(measure(w, copy.deepcopy(shapes[w.shape]), settings, device, log))
         if on_row and len(rows) < len(workloads):
-            on_row(BenchmarkReport(dict(details, partial=f"{len(rows)} of {len(workloads)} rows"), ceilings,
-                                   list(rows), settings))
+            on_row(
+                BenchmarkReport(
+                    dict(details, partial=f"{len(rows)} of {len(workloads)} rows"), ceilings, list(rows), settings
+                )
+            )
     # Measured again at the end and the better kept: a ceiling is the best the machine did in this run.
     ceilings = {name: max(value, matmul_ceiling(device, DTYPES[name], size)) for name, value in ceilings.items()}
     if hasattr(os, "getloadavg"):
@@ -720,23 +830,33 @@ class PeerRow:
 
 def peer_workloads():
     rows = [PeerWorkload(f"peers-decode-minimind-{w}", "decode", "minimind", w) for w in PEER_MINIMIND]
-    rows += [PeerWorkload(f"peers-decode-minimind-compiled-{w}", "decode", "minimind compiled", w)
-             for w in PEER_COMPILED]
+    rows += [
+        PeerWorkload(f"peers-decode-minimind-compiled-{w}", "decode", "minimind compiled", w) for w in PEER_COMPILED
+    ]
     rows += [PeerWorkload(f"peers-decode-llamacpp-{w}", "decode", "llama.cpp", w) for w in PEER_OUTTYPES]
-    rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-{w}", "decode", "minimind", w, PEER_BATCH)
-             for w in PEER_MINIMIND]
-    rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-compiled-{w}", "decode", "minimind compiled", w,
-                          PEER_BATCH) for w in PEER_COMPILED]
-    rows += [PeerWorkload(f"peers-decode-b{PEER_BATCH}-llamacpp-{w}", "decode", "llama.cpp", w, PEER_BATCH)
-             for w in PEER_OUTTYPES]
+    rows += [
+        PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-{w}", "decode", "minimind", w, PEER_BATCH)
+        for w in PEER_MINIMIND
+    ]
+    rows += [
+        PeerWorkload(f"peers-decode-b{PEER_BATCH}-minimind-compiled-{w}", "decode", "minimind compiled", w, PEER_BATCH)
+        for w in PEER_COMPILED
+    ]
+    rows += [
+        PeerWorkload(f"peers-decode-b{PEER_BATCH}-llamacpp-{w}", "decode", "llama.cpp", w, PEER_BATCH)
+        for w in PEER_OUTTYPES
+    ]
     rows += [PeerWorkload(f"peers-prefill-512-minimind-{w}", "prefill", "minimind", w) for w in PEER_MINIMIND]
     rows += [PeerWorkload(f"peers-prefill-512-llamacpp-{w}", "prefill", "llama.cpp", w) for w in PEER_OUTTYPES]
-    rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed",
-                                                                                "padded-compiled")]
-    rows += [PeerWorkload(f"peers-serve-{n}-clients{'' if w == 'fp32' else '-' + w}", "serve", "minimind server", w)
-             for w in PEER_MINIMIND for n in (1, 8)]
-    rows += [PeerWorkload(f"peers-serve-{n}-clients-compiled", "serve", "minimind server compiled", "fp32")
-             for n in (1, 8)]
+    rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed", "padded-compiled")]
+    rows += [
+        PeerWorkload(f"peers-serve-{n}-clients{'' if w == 'fp32' else '-' + w}", "serve", "minimind server", w)
+        for w in PEER_MINIMIND
+        for n in (1, 8)
+    ]
+    rows += [
+        PeerWorkload(f"peers-serve-{n}-clients-compiled", "serve", "minimind server compiled", "fp32") for n in (1, 8)
+    ]
     return rows
 
 
@@ -744,12 +864,20 @@ def peer_sizes(quick):
     """Model overrides and run lengths. The vocabulary is the bundled tokenizer's in both modes: a GGUF file
     carries its tokenizer, and llama.cpp checks it against the embedding rows."""
     if quick:
-        tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=1024)
-        return dict(model=tiny, new_tokens=8, prefill=32, sft_batch=2, sft_steps=2, repeats=1, serve_tokens=8,
-                    serve_requests=1)
-    return dict(model={}, new_tokens=128, prefill=512, sft_batch=4, sft_steps=3, repeats=3, serve_tokens=64,
-                serve_requests=2)
+        tiny = dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
+        return dict(
+            model=tiny, new_tokens=8, prefill=32, sft_batch=2, sft_steps=2, repeats=1, serve_tokens=8, serve_requests=1
+        )
+    return dict(
+        model={}, new_tokens=128, prefill=512, sft_batch=4, sft_steps=3, repeats=3, serve_tokens=64, serve_requests=2
+    )
 
 
 def decode_matrices(config):
@@ -760,9 +888,15 @@ def decode_matrices(config):
     kv_out = config.num_key_value_heads * config.head_dim
     if config.use_moe:
         raise ValueError("peers rows use the dense model")
-    layer = [(q_out, config.hidden_size), (kv_out, config.hidden_size), (kv_out, config.hidden_size),
-             (config.hidden_size, q_out), (config.intermediate_size, config.hidden_size),
-             (config.intermediate_size, config.hidden_size), (config.hidden_size, config.intermediate_size)]
+    layer = [
+        (q_out, config.hidden_size),
+        (kv_out, config.hidden_size),
+        (kv_out, config.hidden_size),
+        (config.hidden_size, q_out),
+        (config.intermediate_size, config.hidden_size),
+        (config.intermediate_size, config.hidden_size),
+        (config.hidden_size, config.intermediate_size),
+    ]
     return layer * config.num_hidden_layers + [(config.vocab_size, config.hidden_size)]
 
 
@@ -782,8 +916,9 @@ def matrix_bytes(rows, row_length, weights):
 def weight_bytes_per_token(config, weights):
     *layers, head = decode_matrices(config)
     # MiniMind's int8 path quantizes the decoder layers only: the tied LM head stays bf16.
-    return (sum(matrix_bytes(rows, length, weights) for rows, length in layers)
-            + matrix_bytes(*head, "bf16" if weights == "int8" else weights))
+    return sum(matrix_bytes(rows, length, weights) for rows, length in layers) + matrix_bytes(
+        *head, "bf16" if weights == "int8" else weights
+    )
 
 
 def gguf_matrix_bytes(path):
@@ -796,7 +931,7 @@ def gguf_matrix_bytes(path):
 def copy_bandwidth(quick, repeats=5):
     """Best bytes per second of one large tensor copy (read + write counted): the roof a decode step, which
     streams every weight once, can approach. Quick mode's buffer fits in cache, so its number is meaningless."""
-    numel = (8 if quick else 64) * 2 ** 20  # float32: 32 or 256 MiB
+    numel = (8 if quick else 64) * 2**20  # float32: 32 or 256 MiB
     src = torch.ones(numel)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -865,8 +1000,15 @@ class _LlamaCpp:
 
         llama_cpp.llama.llama_cpp.llama_model_default_params = model_params
         try:
-            self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                                         n_threads=threads, n_threads_batch=threads, verbose=False)
+            self.llama = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=512,
+                n_ubatch=512,
+                n_threads=threads,
+                n_threads_batch=threads,
+                verbose=False,
+            )
         finally:
             llama_cpp.llama.llama_cpp.llama_model_default_params = defaults
         self.vocab = self.llama.n_vocab()
@@ -911,11 +1053,15 @@ class _LlamaCpp:
                 batch.seq_id[i][0] = sequence
             if llama_cpp.llama_decode(context, batch) != 0:
                 raise RuntimeError("llama_decode failed on the batched decode")
-            return [int(numpy.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, i),
-                                                 shape=(self.vocab,)).argmax())
-                    for i, entry in enumerate(entries) if entry[3]]
+            return [
+                int(numpy.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, i), shape=(self.vocab,)).argmax())
+                for i, entry in enumerate(entries)
+                if entry[3]
+            ]
 
-        next_tokens = decode([(s, p, t, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)])
+        next_tokens = decode(
+            [(s, p, t, p == len(ids) - 1) for s, ids in enumerate(prompts) for p, t in enumerate(ids)]
+        )
         out = [[token] for token in next_tokens]
         for step in range(1, new_tokens):
             next_tokens = decode([(s, len(prompts[s]) + step - 1, seq[-1], True) for s, seq in enumerate(out)])
@@ -939,9 +1085,15 @@ class _LlamaCpp:
 def _minimind_greedy(model, ids, new_tokens):
     """The new tokens of each row of `ids` ([B, T], unpadded), greedy with eos ignored."""
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, disable_compile=True)
-    return out[:, ids.shape[1]:].tolist()
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            disable_compile=True,
+        )
+    return out[:, ids.shape[1] :].tolist()
 
 
 class PeerContext:
@@ -968,11 +1120,13 @@ class PeerContext:
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         self.prompt_ids = self.tokenizer(PEER_PROMPT)["input_ids"]
         generator = torch.Generator().manual_seed(settings.seed)
-        self.prefill_ids = torch.randint(3, self.config.vocab_size, (1, self.sizes["prefill"]),
-                                         generator=generator)[0].tolist()
+        self.prefill_ids = torch.randint(3, self.config.vocab_size, (1, self.sizes["prefill"]), generator=generator)[
+            0
+        ].tolist()
         # The batched rows' prompts: as long as the peer prompt, so that no row is padded.
-        self.batch_prompts = torch.randint(3, self.config.vocab_size, (PEER_BATCH, len(self.prompt_ids)),
-                                           generator=generator).tolist()
+        self.batch_prompts = torch.randint(
+            3, self.config.vocab_size, (PEER_BATCH, len(self.prompt_ids)), generator=generator
+        ).tolist()
         self._models, self._ggufs, self._references, self._servers = {}, {}, {}, {}
 
     @property
@@ -983,8 +1137,10 @@ class PeerContext:
     def minimind(self, weights):
         if weights not in self._models:
             model = MiniMindForCausalLM.from_pretrained(
-                self.model_dir, dtype=DTYPES["bf16" if weights == "int8" else weights],
-                attn_implementation=self.settings.attn_implementation).eval()
+                self.model_dir,
+                dtype=DTYPES["bf16" if weights == "int8" else weights],
+                attn_implementation=self.settings.attn_implementation,
+            ).eval()
             if weights == "int8":
                 from minimind.decode import quantize_weights_int8
 
@@ -999,18 +1155,28 @@ class PeerContext:
             from minimind.chat import load_model_and_tokenizer
             from minimind.serving import Generator, ServerLimits
 
-            model, tokenizer = load_model_and_tokenizer(self.model_dir, "cpu",
-                                                        {"fp32": "float32", "bf16": "bfloat16"}[weights])
+            model, tokenizer = load_model_and_tokenizer(
+                self.model_dir, "cpu", {"fp32": "float32", "bf16": "bfloat16"}[weights]
+            )
             new = self.sizes["serve_tokens"]
             # The paged engine sizes its KV cache for max_context x sequences: the model's own 32k context would
             # ask for gigabytes; the prompts here need a few hundred positions.
             # quick: the compiled engine's steps run eagerly (its graphs are tested against generate elsewhere)
-            generator = Generator(model, tokenizer, "peers", engine=engine, compile=not self.settings.quick,
-                                  limits=ServerLimits(max_context=256, max_tokens=new, default_max_tokens=new,
-                                                      max_concurrent_requests=8, max_batch=8))
+            generator = Generator(
+                model,
+                tokenizer,
+                "peers",
+                engine=engine,
+                compile=not self.settings.quick,
+                limits=ServerLimits(
+                    max_context=256, max_tokens=new, default_max_tokens=new, max_concurrent_requests=8, max_batch=8
+                ),
+            )
             if engine == "compiled" and not self.settings.quick:
-                self.log(f"serve {weights} compiled: steps compiled for batches {generator.engine.batch_sizes} in "
-                         f"{generator.engine.warm_up():.0f} s")
+                self.log(
+                    f"serve {weights} compiled: steps compiled for batches {generator.engine.batch_sizes} in "
+                    f"{generator.engine.warm_up():.0f} s"
+                )
             self._servers[weights, engine] = generator
         return self._servers[weights, engine]
 
@@ -1018,8 +1184,12 @@ class PeerContext:
         from minimind.export import export_gguf
 
         if outtype not in self._ggufs:
-            self._ggufs[outtype] = export_gguf(self.model_dir, os.path.join(self.workdir, f"model-{outtype}.gguf"),
-                                               self.tokenizer_dir, outtype=outtype)
+            self._ggufs[outtype] = export_gguf(
+                self.model_dir,
+                os.path.join(self.workdir, f"model-{outtype}.gguf"),
+                self.tokenizer_dir,
+                outtype=outtype,
+            )
         return self._ggufs[outtype]
 
     def prompts(self, batch):
@@ -1038,6 +1208,7 @@ class PeerContext:
 class PreparedPeer:
     """A decode or prefill row ready for its timed rounds: `run` has run once (compiled, warmed up), `close`
     lets go of its engine once every round is over."""
+
     row: PeerRow
     run: Callable
     close: Callable
@@ -1060,8 +1231,12 @@ def prepare_peer(w, ctx):
         # llama.cpp's AMX-INT8 kernels for q8_0 segfault (ggml-org/llama.cpp#20824): on such a CPU q8_0 runs
         # with the CPU backend's extra buffer types off, on its AVX-512 kernels.
         plain_buffers = w.weights == "q8_0" and amx_int8()
-        engine = _LlamaCpp(ctx.gguf(w.weights), n_ctx=max(prompt + new, sizes["prefill"]) + 16, threads=ctx.threads,
-                           extra_buffer_types=not plain_buffers)
+        engine = _LlamaCpp(
+            ctx.gguf(w.weights),
+            n_ctx=max(prompt + new, sizes["prefill"]) + 16,
+            threads=ctx.threads,
+            extra_buffer_types=not plain_buffers,
+        )
         close = engine.close
         if w.kind == "prefill":
             run = lambda: engine.prefill(ctx.prefill_ids)  # noqa: E731
@@ -1071,7 +1246,9 @@ def prepare_peer(w, ctx):
             run = lambda: engine.greedy_batch(prompts, new)  # noqa: E731
         note = f"n_threads {ctx.threads}" + (
             "; extra buffer types off (AMX-INT8 q8_0 kernels segfault: ggml-org/llama.cpp#20824)"
-            if plain_buffers else "")
+            if plain_buffers
+            else ""
+        )
         describe = lambda tokens: note  # noqa: E731
     else:
         if w.weights == "int8" and int8_missing():
@@ -1127,8 +1304,12 @@ def time_in_rounds(prepared, repeats, log):
         log(f"{p.row.workload.row_id}: {p.row.tokens_per_second:.1f} tok/s")
 
 
-FP32_PRODUCTS = {"plain": "unpacked one-row products", "mkl": "MKL-packed weights", "onednn": "oneDNN-packed weights",
-                 "template": "inductor's C++ GEMM kernels"}
+FP32_PRODUCTS = {
+    "plain": "unpacked one-row products",
+    "mkl": "MKL-packed weights",
+    "onednn": "oneDNN-packed weights",
+    "template": "inductor's C++ GEMM kernels",
+}
 
 
 def _compiled_decode(model, ids, new, weights, compile=True):
@@ -1141,21 +1322,32 @@ def _compiled_decode(model, ids, new, weights, compile=True):
 
     @torch.no_grad()
     def decode():
-        return decoder.generate(ids, max_new_tokens=new)[:, ids.shape[1]:].tolist()
+        return decoder.generate(ids, max_new_tokens=new)[:, ids.shape[1] :].tolist()
 
     def describe(tokens):
         plain = _minimind_greedy(model, ids, new)
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
         settings = decoder.inductor_settings(ids.shape[0])
-        products = (FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])] if decoder.dtype == torch.float32
-                    else "prepacked weights") + (", autotuned GEMMs" if settings["max_autotune"]
-                                                 and "ATEN" in settings["max_autotune_gemm_backends"] else "")
-        attention = (", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA
-                     else "")
-        compiled = (f"torch.compile with freezing, merged projections, {products}{attention}, compiled in "
-                    f"{decoder.compile_seconds:.0f} s" if compile else f"steps run eagerly (quick mode){attention}")
-        return (f"CompiledDecoder: static cache, {compiled}; greedy tokens = plain {weights} generate: "
-                f"{shared} / {sum(map(len, plain))}")
+        products = (
+            FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])] if decoder.dtype == torch.float32 else "prepacked weights"
+        ) + (
+            ", autotuned GEMMs"
+            if settings["max_autotune"] and "ATEN" in settings["max_autotune_gemm_backends"]
+            else ""
+        )
+        attention = (
+            ", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
+        )
+        compiled = (
+            f"torch.compile with freezing, merged projections, {products}{attention}, compiled in "
+            f"{decoder.compile_seconds:.0f} s"
+            if compile
+            else f"steps run eagerly (quick mode){attention}"
+        )
+        return (
+            f"CompiledDecoder: static cache, {compiled}; greedy tokens = plain {weights} generate: "
+            f"{shared} / {sum(map(len, plain))}"
+        )
 
     return decode, describe
 
@@ -1173,12 +1365,17 @@ def sft_batches(ctx, padded):
 
         from minimind.data import IGNORE_INDEX
 
-        collate = DataCollatorForSeq2Seq(ctx.tokenizer, padding="max_length", max_length=max_len,
-                                         label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+        collate = DataCollatorForSeq2Seq(
+            ctx.tokenizer,
+            padding="max_length",
+            max_length=max_len,
+            label_pad_token_id=IGNORE_INDEX,
+            return_tensors="pt",
+        )
     else:
         collate = collator("sft", ctx.tokenizer, padding_free=True)
     rows = [dataset[i] for i in range(len(dataset))]
-    return [collate(rows[i:i + batch]) for i in range(0, len(rows), batch)]
+    return [collate(rows[i : i + batch]) for i in range(0, len(rows), batch)]
 
 
 def measure_sft(w, ctx):
@@ -1186,17 +1383,25 @@ def measure_sft(w, ctx):
     counted) and each step's loss, which padding-free packing must reproduce."""
     padded = w.weights.startswith("padded")
     batches = sft_batches(ctx, padded)
-    model = MiniMindForCausalLM.from_pretrained(ctx.model_dir, dtype=torch.float32,
-                                                attn_implementation=ctx.settings.attn_implementation).train()
+    model = MiniMindForCausalLM.from_pretrained(
+        ctx.model_dir, dtype=torch.float32, attn_implementation=ctx.settings.attn_implementation
+    ).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     compiled = w.weights.endswith("-compiled")
     forward = torch.compile(model) if compiled else model  # what the Trainer's --torch_compile does
-    row = PeerRow(w, shape=f"{ctx.sizes['sft_batch']} x 512" if padded else
-                  f"1 x {'/'.join(str(b['input_ids'].shape[1]) for b in batches)}")
+    row = PeerRow(
+        w,
+        shape=f"{ctx.sizes['sft_batch']} x 512"
+        if padded
+        else f"1 x {'/'.join(str(b['input_ids'].shape[1]) for b in batches)}",
+    )
     real = []
     for batch in batches:
-        inputs = {key: value for key, value in batch.items() if key in ("input_ids", "labels", "attention_mask",
-                                                                          "position_ids")}
+        inputs = {
+            key: value
+            for key, value in batch.items()
+            if key in ("input_ids", "labels", "attention_mask", "position_ids")
+        }
         start = time.perf_counter()
         loss = forward(**inputs).loss
         loss.backward()
@@ -1212,8 +1417,10 @@ def measure_sft(w, ctx):
     row_first_seconds = row.seconds[0]
     row.seconds, row.timed_tokens = row.seconds[first:], sum(real[first:])
     total = sum(b["input_ids"].numel() for b in batches)
-    row.note = (f"{row.tokens:,} real tokens of {total:,} ({100 * row.tokens / total:.0f}%), "
-                f"{len(batches)} steps, loss {' / '.join(f'{x:.4f}' for x in row.losses)}")
+    row.note = (
+        f"{row.tokens:,} real tokens of {total:,} ({100 * row.tokens / total:.0f}%), "
+        f"{len(batches)} steps, loss {' / '.join(f'{x:.4f}' for x in row.losses)}"
+    )
     if compiled:
         row.note += f"; torch.compile, first step (compilation) {row_first_seconds:.0f} s"
     ctx.log(f"{w.row_id}: {row.tokens_per_second:.1f} real tok/s")
@@ -1234,14 +1441,20 @@ def _stream_completion(http, prompt, max_tokens):
     server's usage chunk reports."""
     import json
 
-    body = {"model": "peers", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "peers",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     usage = None
     with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                usage = json.loads(line[len("data: "):]).get("usage") or usage
+                usage = json.loads(line[len("data: ") :]).get("usage") or usage
     return usage["completion_tokens"]
 
 
@@ -1274,8 +1487,9 @@ def measure_serve(workloads, ctx):
         https = [httpx.Client(base_url=url, timeout=600) for _ in range(max(map(_clients, workloads)))]
 
         def client(index):
-            return sum(_stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new)
-                       for k in range(per_client))
+            return sum(
+                _stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new) for k in range(per_client)
+            )
 
         def run(row):
             clients = _clients(row.workload)
@@ -1295,8 +1509,9 @@ def measure_serve(workloads, ctx):
             http.close()
     for row in rows:
         clients = _clients(row.workload)
-        row.note = (f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, "
-                    f"--engine {engine}")
+        row.note = (
+            f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, --engine {engine}"
+        )
         ctx.log(f"{row.workload.row_id}: {row.tokens_per_second:.1f} tok/s")
     return rows
 
@@ -1305,8 +1520,17 @@ def _clients(workload):
     return int(workload.row_id.split("-")[2])
 
 
-PEER_COLUMNS = ["row", "engine", "weights", "B x T (+new)", "tok/s", "weight bytes / token",
-                "bandwidth floor tok/s (share)", "greedy tokens = MiniMind fp32", "notes"]
+PEER_COLUMNS = [
+    "row",
+    "engine",
+    "weights",
+    "B x T (+new)",
+    "tok/s",
+    "weight bytes / token",
+    "bandwidth floor tok/s (share)",
+    "greedy tokens = MiniMind fp32",
+    "notes",
+]
 
 
 @dataclass
@@ -1331,11 +1555,14 @@ class PeersReport:
             return [w.row_id, w.engine, w.weights, row.shape, "-", "-", "-", "-", "skipped: " + row.skipped]
         note = row.note
         if w.kind == "sft" and w.weights != "padded":
-            padded = next((r for r in self.rows if r.workload.row_id == "peers-sft-512-padded" and not r.skipped),
-                          None)
+            padded = next(
+                (r for r in self.rows if r.workload.row_id == "peers-sft-512-padded" and not r.skipped), None
+            )
             if padded is not None:
-                note += (f"; loss max |diff| vs padded {sft_loss_difference(padded, row):.2e}, "
-                         f"{row.tokens_per_second / padded.tokens_per_second:.2f}x padded's real tok/s")
+                note += (
+                    f"; loss max |diff| vs padded {sft_loss_difference(padded, row):.2e}, "
+                    f"{row.tokens_per_second / padded.tokens_per_second:.2f}x padded's real tok/s"
+                )
         if row.weight_bytes is None:
             bytes_cell = floor_cell = "-"
         else:
@@ -1343,16 +1570,27 @@ class PeersReport:
             bytes_cell = f"{row.weight_bytes:,}"
             floor_cell = f"{floor:,.1f} ({100 * row.tokens_per_second / floor:.1f}%)"
         same = "-" if row.same_tokens is None else f"{row.same_tokens[0]} / {row.same_tokens[1]}"
-        return [w.row_id, w.engine, w.weights, row.shape, f"{row.tokens_per_second:,.1f}", bytes_cell,
-                floor_cell, same, note]
+        return [
+            w.row_id,
+            w.engine,
+            w.weights,
+            row.shape,
+            f"{row.tokens_per_second:,.1f}",
+            bytes_cell,
+            floor_cell,
+            same,
+            note,
+        ]
 
     def markdown(self):
         details = "\n".join(f"- {key}: {value}" for key, value in self.details.items())
         mode = "quick mode: tiny shapes, numbers meaningless" if self.settings.quick else "full mode"
         command = self.settings.command or "minimind-benchmark --table peers"
-        return (f"## Peers\n\nGenerated by `{command}` ({mode}).\n\n{details}\n"
-                f"- copy bandwidth measured in this run: {self.bandwidth / 1e9:.1f} GB/s\n\n"
-                f"{self.table()}\n\n{self.ratios()}{PEER_NOTES}")
+        return (
+            f"## Peers\n\nGenerated by `{command}` ({mode}).\n\n{details}\n"
+            f"- copy bandwidth measured in this run: {self.bandwidth / 1e9:.1f} GB/s\n\n"
+            f"{self.table()}\n\n{self.ratios()}{PEER_NOTES}"
+        )
 
     def ratios(self):
         """MiniMind's decode paths against llama.cpp at the matching precision (fp32 / f32, bf16 / f16 and bf16),
@@ -1437,8 +1675,9 @@ def run_peers(settings, threads, log=print, on_row=None):
     def report_progress():
         if on_row and len(measured) < len(workloads):
             done = [measured[w.row_id] for w in workloads if w.row_id in measured]
-            on_row(PeersReport(dict(details, partial=f"{len(done)} of {len(workloads)} rows"), bandwidth, done,
-                               settings))
+            on_row(
+                PeersReport(dict(details, partial=f"{len(done)} of {len(workloads)} rows"), bandwidth, done, settings)
+            )
 
     with tempfile.TemporaryDirectory(prefix="minimind-peers-") as workdir:
         ctx = PeerContext(settings, workdir, threads, log)

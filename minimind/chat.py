@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable, TextIO
+from typing import TextIO
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
@@ -33,8 +34,9 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_model_and_tokenizer(model_name_or_path: str, device: str | None = None, dtype: str = "float32",
-                             int8: bool = False):
+def load_model_and_tokenizer(
+    model_name_or_path: str, device: str | None = None, dtype: str = "float32", int8: bool = False
+):
     """The model (eval mode, on `device`) and its tokenizer from one MiniMind directory or Hub id, checked and
     loaded with the installed classes (`minimind.loading`). `int8`: the decoder layers' weights in int8
     (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32."""
@@ -73,12 +75,12 @@ def split_reasoning(text: str, *, started_in_reasoning: bool = False) -> tuple[s
     """
     open_at, close_at = text.find(THINK_OPEN), text.find(THINK_CLOSE)
     if close_at >= 0 and (open_at < 0 or close_at < open_at):
-        reasoning, answer = text[:close_at], text[close_at + len(THINK_CLOSE):]
+        reasoning, answer = text[:close_at], text[close_at + len(THINK_CLOSE) :]
     elif open_at >= 0:
         if text[:open_at].strip():
             # Text before <think> is not how the template places reasoning: leave the reply as it is.
             return None, text
-        rest = text[open_at + len(THINK_OPEN):]
+        rest = text[open_at + len(THINK_OPEN) :]
         reasoning, found, answer = rest.partition(THINK_CLOSE)
         if not found:
             return reasoning.strip("\n"), ""
@@ -105,8 +107,11 @@ class SamplingParams:
         return not self.do_sample or self.temperature <= 0
 
     def generate_kwargs(self, tokenizer) -> dict:
-        kwargs = dict(max_new_tokens=self.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
+        kwargs = dict(
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         if not self.greedy:
             kwargs.update(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None)
         else:
@@ -127,7 +132,7 @@ class _StopStringGenerated(StoppingCriteria):
         self.tokenizer, self.stops, self.prompt_length = tokenizer, stops, prompt_length
 
     def __call__(self, input_ids, scores, **kwargs):
-        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_length:], skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_length :], skip_special_tokens=True)
         return torch.tensor([any(stop in text for stop in self.stops) for text in texts], device=input_ids.device)
 
 
@@ -166,7 +171,7 @@ class StopStringCutter:
     def _emit_until(self, end: int) -> str:
         if end <= self.emitted:
             return ""
-        out, self.emitted = self.text[self.emitted:end], end
+        out, self.emitted = self.text[self.emitted : end], end
         return out
 
 
@@ -197,9 +202,12 @@ class TextStream:
         def generate():
             try:
                 outcome["ids"] = self._generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), streamer=streamer,
+                    input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    streamer=streamer,
                     stopping_criteria=self._stopping_criteria(cancel),
-                    **self.params.generate_kwargs(self.tokenizer))
+                    **self.params.generate_kwargs(self.tokenizer),
+                )
             except BaseException as error:  # re-raised in the consumer's thread
                 outcome["error"] = error
                 streamer.end()  # unblocks the consumer
@@ -215,7 +223,7 @@ class TextStream:
                 worker.join()
         if "error" in outcome:
             raise outcome["error"]
-        self._record_outcome(outcome["ids"][0, len(self.prompt_ids):].tolist())
+        self._record_outcome(outcome["ids"][0, len(self.prompt_ids) :].tolist())
 
     def _stopping_criteria(self, cancel):
         criteria = StoppingCriteriaList([_Cancelled(cancel)])
@@ -241,9 +249,16 @@ class TextStream:
         self.finish_reason = "length" if ran_out and not ended_itself else "stop"
 
 
-def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | None = None,
-              read_line: Callable[[str], str] = input, out: TextIO = sys.stdout, enable_thinking: bool = True,
-              decoder=None) -> None:
+def chat_loop(
+    model,
+    tokenizer,
+    params: SamplingParams,
+    system_prompt: str | None = None,
+    read_line: Callable[[str], str] = input,
+    out: TextIO = sys.stdout,
+    enable_thinking: bool = True,
+    decoder=None,
+) -> None:
     """Multi-turn chat on a plain terminal: `/reset` forgets the conversation; `/exit`, end of input (Ctrl-D) or
     Ctrl-C at the prompt quit; Ctrl-C during a reply stops that reply.
 
@@ -272,8 +287,9 @@ def chat_loop(model, tokenizer, params: SamplingParams, system_prompt: str | Non
         history.append({"role": "user", "content": line})
         # Keep room for a reply, but never more than half the context: a huge max_new_tokens must not make
         # every message "too long".
-        prompt_ids = _fit_to_context(tokenizer, history, context - min(params.max_new_tokens, context // 2),
-                                     enable_thinking=enable_thinking)
+        prompt_ids = _fit_to_context(
+            tokenizer, history, context - min(params.max_new_tokens, context // 2), enable_thinking=enable_thinking
+        )
         if prompt_ids is None:
             history.pop()
             print(f"(message too long for the {context}-token context)", file=out, flush=True)
@@ -326,11 +342,11 @@ class _ReplyPrinter:
             if not self._in_reasoning and self._reasoning_shown == 0:
                 self._write(("\x1b[2m" if self.dim else "") + self.THINKING)
                 self._in_reasoning = True
-            self._write(reasoning[self._reasoning_shown:])
+            self._write(reasoning[self._reasoning_shown :])
             self._reasoning_shown = len(reasoning)
         if len(answer) > self._answer_shown:
             self._end_reasoning()
-            self._write(answer[self._answer_shown:])
+            self._write(answer[self._answer_shown :])
             self._answer_shown = len(answer)
 
     def _end_reasoning(self) -> None:
@@ -365,4 +381,4 @@ def _fit_to_context(tokenizer, history: list[dict], budget: int, **template_kwar
             return ids
         if len(history) - first_turn <= 1:
             return None
-        del history[first_turn:first_turn + 2]  # a user message and its reply: the rest still starts with "user"
+        del history[first_turn : first_turn + 2]  # a user message and its reply: the rest still starts with "user"

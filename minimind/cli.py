@@ -43,6 +43,7 @@ def _parser(doc):
 # Training (every TrainingArguments flag, see minimind.training)
 # --------------------------------------------------------------------------------------------------------------
 
+
 @command
 def pretrain(argv=None):
     """Pretrain MiniMind on packed text blocks (data/pretrain.jsonl format: {"text": ...} per line).
@@ -52,8 +53,9 @@ def pretrain(argv=None):
     """
     from minimind.training import BUNDLED_DATA, parse_args, run_pretrain
 
-    model_args, data_args, training_args = parse_args(argv, output_dir="out/pretrain",
-                                                      data_path=BUNDLED_DATA["pretrain"])
+    model_args, data_args, training_args = parse_args(
+        argv, output_dir="out/pretrain", data_path=BUNDLED_DATA["pretrain"]
+    )
     return run_pretrain(model_args, data_args, training_args)
 
 
@@ -71,8 +73,9 @@ def lora(argv=None):
     """LoRA fine-tuning with PEFT; with --merge also a full merged model in <output_dir>/merged."""
     from minimind.training import BUNDLED_DATA, LoraArguments, parse_args, run_lora
 
-    model_args, data_args, lora_args, training_args = parse_args(argv, LoraArguments, output_dir="out/lora",
-                                                                 data_path=BUNDLED_DATA["sft"])
+    model_args, data_args, lora_args, training_args = parse_args(
+        argv, LoraArguments, output_dir="out/lora", data_path=BUNDLED_DATA["sft"]
+    )
     return run_lora(model_args, data_args, lora_args, training_args)
 
 
@@ -81,8 +84,9 @@ def dpo(argv=None):
     """Direct preference optimisation with TRL's DPOTrainer (data/dpo.jsonl format); every DPOConfig flag."""
     from minimind.training import BUNDLED_DATA, dpo_config_class, parse_args, run_dpo
 
-    model_args, data_args, training_args = parse_args(argv, training_args_class=dpo_config_class(),
-                                                      output_dir="out/dpo", data_path=BUNDLED_DATA["dpo"])
+    model_args, data_args, training_args = parse_args(
+        argv, training_args_class=dpo_config_class(), output_dir="out/dpo", data_path=BUNDLED_DATA["dpo"]
+    )
     return run_dpo(model_args, data_args, training_args)
 
 
@@ -92,7 +96,8 @@ def distill(argv=None):
     from minimind.training import BUNDLED_DATA, DistillArguments, parse_args, run_distill
 
     model_args, data_args, distill_args, training_args = parse_args(
-        argv, DistillArguments, output_dir="out/distill", data_path=BUNDLED_DATA["sft"])
+        argv, DistillArguments, output_dir="out/distill", data_path=BUNDLED_DATA["sft"]
+    )
     return run_distill(model_args, data_args, distill_args, training_args)
 
 
@@ -109,9 +114,17 @@ def grpo(argv=None):
 
     # TRL's defaults are for billion-parameter models; these suit MiniMind's short fact answers.
     model_args, data_args, reward_args, training_args = parse_args(
-        argv, RewardArguments, training_args_class=grpo_config_class(), output_dir="out/grpo",
-        data_path=BUNDLED_DATA["sft"], eval_fraction=0.0, learning_rate=1e-5, num_generations=8,
-        max_completion_length=32, logging_steps=1)
+        argv,
+        RewardArguments,
+        training_args_class=grpo_config_class(),
+        output_dir="out/grpo",
+        data_path=BUNDLED_DATA["sft"],
+        eval_fraction=0.0,
+        learning_rate=1e-5,
+        num_generations=8,
+        max_completion_length=32,
+        logging_steps=1,
+    )
     return run_grpo(model_args, data_args, reward_args, training_args)
 
 
@@ -132,20 +145,25 @@ def demo(argv=None):
     parser.add_argument("--sft_steps", type=int, default=defaults.sft_steps)
     parser.add_argument("--hidden_size", type=int, default=defaults.hidden_size)
     parser.add_argument("--num_hidden_layers", type=int, default=defaults.num_hidden_layers)
-    parser.add_argument("--max_seq_length", type=int, default=defaults.max_seq_length,
-                        help="pretraining block length")
-    parser.add_argument("--sft_max_seq_length", type=int, default=defaults.sft_max_seq_length,
-                        help="the bundled chats are short")
+    parser.add_argument("--max_seq_length", type=int, default=defaults.max_seq_length, help="pretraining block length")
+    parser.add_argument(
+        "--sft_max_seq_length", type=int, default=defaults.sft_max_seq_length, help="the bundled chats are short"
+    )
     parser.add_argument("--logging_steps", type=int, default=defaults.logging_steps)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--threads", type=int, default=defaults.threads,
-                        help="torch threads; results are reproducible at a fixed count")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=defaults.threads,
+        help="torch threads; results are reproducible at a fixed count",
+    )
     return run_demo(DemoSettings(**vars(parser.parse_args(argv))))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Using a model: chat, serve, export, publish, import
 # --------------------------------------------------------------------------------------------------------------
+
 
 def _add_model_flags(parser):
     from minimind.chat import DTYPES
@@ -156,12 +174,19 @@ def _add_model_flags(parser):
 
 
 def _add_decode_flags(parser):
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="decode with the one-token step compiled against a static cache (default; the first "
-                             "reply waits 10-60 s for compilation on a CPU); --no-compile uses model.generate")
-    parser.add_argument("--int8", action="store_true",
-                        help="weight-only int8 decoder layers (torchao; pip install 'minimind[int8]'), the rest "
-                             "in bfloat16 unless --dtype float16: the fastest CPU decode")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode with the one-token step compiled against a static cache (default; the first "
+        "reply waits 10-60 s for compilation on a CPU); --no-compile uses model.generate",
+    )
+    parser.add_argument(
+        "--int8",
+        action="store_true",
+        help="weight-only int8 decoder layers (torchao; pip install 'minimind[int8]'), the rest "
+        "in bfloat16 unless --dtype float16: the fastest CPU decode",
+    )
 
 
 @command
@@ -178,14 +203,22 @@ def chat(argv=None):
     _add_model_flags(parser)
     parser.add_argument("--system_prompt", default=None)
     parser.add_argument("--max_new_tokens", type=int, default=engine.DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--do_sample", action=argparse.BooleanOptionalAction, default=True,
-                        help="sample (default) or, with --no-do_sample, decode greedily")
+    parser.add_argument(
+        "--do_sample",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sample (default) or, with --no-do_sample, decode greedily",
+    )
     parser.add_argument("--temperature", type=float, default=engine.CHAT_TEMPERATURE)
     parser.add_argument("--top_p", type=float, default=engine.CHAT_TOP_P)
     parser.add_argument("--top_k", type=int, default=0, help="0 disables top-k filtering")
-    parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
-                        help="let the model reason in a <think> block, shown apart from the answer (default); "
-                             "--no-enable_thinking puts an empty think block in the prompt so it answers directly")
+    parser.add_argument(
+        "--enable_thinking",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let the model reason in a <think> block, shown apart from the answer (default); "
+        "--no-enable_thinking puts an empty think block in the prompt so it answers directly",
+    )
     _add_decode_flags(parser)
     args = parser.parse_args(argv)
     model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype, args.int8)
@@ -194,10 +227,23 @@ def chat(argv=None):
         from minimind.decode import CompiledDecoder
 
         decoder = CompiledDecoder(model)
-    params = engine.SamplingParams(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    engine.chat_loop(model, tokenizer, params, system_prompt=args.system_prompt, read_line=input, out=sys.stdout,
-                     enable_thinking=args.enable_thinking, decoder=decoder)
+    params = engine.SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
+    engine.chat_loop(
+        model,
+        tokenizer,
+        params,
+        system_prompt=args.system_prompt,
+        read_line=input,
+        out=sys.stdout,
+        enable_thinking=args.enable_thinking,
+        decoder=decoder,
+    )
 
 
 @command
@@ -217,51 +263,106 @@ def serve(argv=None):
     limits = serving.ServerLimits()
     parser = _parser(serve.__doc__)
     _add_model_flags(parser)
-    parser.add_argument("--served_model_name", default=None,
-                        help="the `model` name clients must send (default: the directory's name)")
+    parser.add_argument(
+        "--served_model_name", default=None, help="the `model` name clients must send (default: the directory's name)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (with --api_key)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api_key", default=os.environ.get("MINIMIND_API_KEY") or None,
-                        help="require `Authorization: Bearer <key>` (default: $MINIMIND_API_KEY; unset: no key)")
-    parser.add_argument("--max_context", type=int, default=None,
-                        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
-    parser.add_argument("--default_max_tokens", type=int, default=limits.default_max_tokens,
-                        help="completion length when a request sets no max_tokens")
-    parser.add_argument("--max_tokens", type=int, default=limits.max_tokens,
-                        help="most completion tokens a request may ask for; more is a 400")
+    parser.add_argument(
+        "--api_key",
+        default=os.environ.get("MINIMIND_API_KEY") or None,
+        help="require `Authorization: Bearer <key>` (default: $MINIMIND_API_KEY; unset: no key)",
+    )
+    parser.add_argument(
+        "--max_context",
+        type=int,
+        default=None,
+        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)",
+    )
+    parser.add_argument(
+        "--default_max_tokens",
+        type=int,
+        default=limits.default_max_tokens,
+        help="completion length when a request sets no max_tokens",
+    )
+    parser.add_argument(
+        "--max_tokens",
+        type=int,
+        default=limits.max_tokens,
+        help="most completion tokens a request may ask for; more is a 400",
+    )
     parser.add_argument("--max_n", type=int, default=limits.max_n, help="most choices (n) per request; more is a 400")
-    parser.add_argument("--max_prompt_tokens", type=int, default=None,
-                        help="longest prompt in tokens; longer is a 400 (default: max_context - 1)")
-    parser.add_argument("--max_concurrent_requests", type=int, default=limits.max_concurrent_requests,
-                        help="requests in progress at once; more get 429 with Retry-After")
-    parser.add_argument("--request_timeout", type=float, default=limits.request_timeout,
-                        help="seconds a request may take; then its generation stops and it gets a 504")
-    parser.add_argument("--max_request_bytes", type=int, default=limits.max_request_bytes,
-                        help="largest request body in bytes; a larger one gets 413 before it is read or parsed")
-    parser.add_argument("--kv_cache_tokens", type=int, default=None,
-                        help="tokens the paged KV cache holds for all requests together; requests that do not fit "
-                             "wait (default: every admitted request at full context, at most "
-                             f"{serving.ServerLimits.DEFAULT_KV_CACHE_TOKENS} unless 2 x max_context is more)")
-    parser.add_argument("--engine", default="paged", choices=serving.Generator.ENGINES,
-                        help="paged: transformers' continuous batching over a paged KV cache (any context, eager "
-                             "steps); compiled: torch.compile'd steps over max_batch rows of max_context positions "
-                             "(faster; compiles for a minute at start)")
-    parser.add_argument("--max_batch", type=int, default=limits.max_batch,
-                        help="--engine compiled: sequences decoded together; more wait for a free row")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="--engine compiled: --no-compile runs its steps eagerly")
+    parser.add_argument(
+        "--max_prompt_tokens",
+        type=int,
+        default=None,
+        help="longest prompt in tokens; longer is a 400 (default: max_context - 1)",
+    )
+    parser.add_argument(
+        "--max_concurrent_requests",
+        type=int,
+        default=limits.max_concurrent_requests,
+        help="requests in progress at once; more get 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--request_timeout",
+        type=float,
+        default=limits.request_timeout,
+        help="seconds a request may take; then its generation stops and it gets a 504",
+    )
+    parser.add_argument(
+        "--max_request_bytes",
+        type=int,
+        default=limits.max_request_bytes,
+        help="largest request body in bytes; a larger one gets 413 before it is read or parsed",
+    )
+    parser.add_argument(
+        "--kv_cache_tokens",
+        type=int,
+        default=None,
+        help="tokens the paged KV cache holds for all requests together; requests that do not fit "
+        "wait (default: every admitted request at full context, at most "
+        f"{serving.ServerLimits.DEFAULT_KV_CACHE_TOKENS} unless 2 x max_context is more)",
+    )
+    parser.add_argument(
+        "--engine",
+        default="paged",
+        choices=serving.Generator.ENGINES,
+        help="paged: transformers' continuous batching over a paged KV cache (any context, eager "
+        "steps); compiled: torch.compile'd steps over max_batch rows of max_context positions "
+        "(faster; compiles for a minute at start)",
+    )
+    parser.add_argument(
+        "--max_batch",
+        type=int,
+        default=limits.max_batch,
+        help="--engine compiled: sequences decoded together; more wait for a free row",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--engine compiled: --no-compile runs its steps eagerly",
+    )
     args = parser.parse_args(argv)
-    limits = serving.ServerLimits(max_context=args.max_context, default_max_tokens=args.default_max_tokens,
-                                  max_tokens=args.max_tokens, max_n=args.max_n,
-                                  max_prompt_tokens=args.max_prompt_tokens,
-                                  max_concurrent_requests=args.max_concurrent_requests,
-                                  request_timeout=args.request_timeout, kv_cache_tokens=args.kv_cache_tokens,
-                                  max_batch=args.max_batch, max_request_bytes=args.max_request_bytes)
+    limits = serving.ServerLimits(
+        max_context=args.max_context,
+        default_max_tokens=args.default_max_tokens,
+        max_tokens=args.max_tokens,
+        max_n=args.max_n,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout=args.request_timeout,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_batch=args.max_batch,
+        max_request_bytes=args.max_request_bytes,
+    )
     model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
     try:
-        generator = serving.Generator(model, tokenizer, model_id, limits=limits, engine=args.engine,
-                                      compile=args.compile)
+        generator = serving.Generator(
+            model, tokenizer, model_id, limits=limits, engine=args.engine, compile=args.compile
+        )
     except ValueError as error:
         parser.error(str(error))
     if args.engine == "compiled" and args.compile:
@@ -269,8 +370,12 @@ def serve(argv=None):
         print(f"compiled in {generator.engine.warm_up():.0f} s", flush=True)
     if not args.api_key and not serving.is_loopback_host(args.host):
         address = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"warning: serving on {address}:{args.port} without --api_key: anyone who can reach this port can use "
-              "the model; pass --api_key (or set MINIMIND_API_KEY)", file=sys.stderr, flush=True)
+        print(
+            f"warning: serving on {address}:{args.port} without --api_key: anyone who can reach this port can use "
+            "the model; pass --api_key (or set MINIMIND_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
     serving.serve(serving.create_app(generator, api_key=args.api_key or None), host=args.host, port=args.port)
 
 
@@ -289,34 +394,58 @@ def web(argv=None):
     from minimind.serving import is_loopback_host
 
     parser = _parser(web.__doc__)
-    parser.add_argument("--model_name_or_path", action="append", required=True,
-                        help="a MiniMind directory (or Hub id) with tokenizer; repeat it to offer several models")
+    parser.add_argument(
+        "--model_name_or_path",
+        action="append",
+        required=True,
+        help="a MiniMind directory (or Hub id) with tokenizer; repeat it to offer several models",
+    )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--system_prompt", default=None)
     parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--temperature", type=float, default=CHAT_TEMPERATURE,
-                        help="the page's starting value; 0 = greedy")
+    parser.add_argument(
+        "--temperature", type=float, default=CHAT_TEMPERATURE, help="the page's starting value; 0 = greedy"
+    )
     parser.add_argument("--top_p", type=float, default=CHAT_TOP_P)
-    parser.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=True,
-                        help="the page's starting value of 'Let the model think'")
+    parser.add_argument(
+        "--enable_thinking",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the page's starting value of 'Let the model think'",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="use 0.0.0.0 to accept other machines (with --auth)")
     parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--auth", metavar="USER:PASSWORD", default=os.environ.get("MINIMIND_WEB_AUTH") or None,
-                        help="ask visitors for this user name and password (Gradio's login; default: "
-                             "$MINIMIND_WEB_AUTH; unset: no login)")
+    parser.add_argument(
+        "--auth",
+        metavar="USER:PASSWORD",
+        default=os.environ.get("MINIMIND_WEB_AUTH") or None,
+        help="ask visitors for this user name and password (Gradio's login; default: "
+        "$MINIMIND_WEB_AUTH; unset: no login)",
+    )
     _add_decode_flags(parser)
     args = parser.parse_args(argv)
     user, colon, password = (args.auth or "").partition(":")
     if args.auth is not None and not (user and colon and password):
         parser.error("--auth takes USER:PASSWORD, both non-empty")
     if not is_loopback_host(args.host) and args.auth is None:
-        print(f"warning: the page is served on {args.host}:{args.port} without --auth: anyone who can reach this "
-              "port can chat with the model; pass --auth USER:PASSWORD", file=sys.stderr, flush=True)
+        print(
+            f"warning: the page is served on {args.host}:{args.port} without --auth: anyone who can reach this "
+            "port can chat with the model; pass --auth USER:PASSWORD",
+            file=sys.stderr,
+            flush=True,
+        )
     defaults = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    app = page.build_app(args.model_name_or_path, device=args.device, dtype=args.dtype, defaults=defaults,
-                         system_prompt=args.system_prompt, enable_thinking=args.enable_thinking,
-                         compile=args.compile, int8=args.int8)
+    app = page.build_app(
+        args.model_name_or_path,
+        device=args.device,
+        dtype=args.dtype,
+        defaults=defaults,
+        system_prompt=args.system_prompt,
+        enable_thinking=args.enable_thinking,
+        compile=args.compile,
+        int8=args.int8,
+    )
     page.launch(app, host=args.host, port=args.port, auth=(user, password) if args.auth else None)
     return app
 
@@ -336,21 +465,29 @@ def export(argv=None):
     from minimind.export import GGUF_OUTTYPES, export_gguf, export_qwen3
 
     parser = _parser(export.__doc__)
-    parser.add_argument("--to", required=True, choices=("qwen3", "gguf"),
-                        help="qwen3: transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM; gguf: llama.cpp file")
+    parser.add_argument(
+        "--to",
+        required=True,
+        choices=("qwen3", "gguf"),
+        help="qwen3: transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM; gguf: llama.cpp file",
+    )
     parser.add_argument("--model_name_or_path", required=True, help="MiniMind directory (save_pretrained)")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--tokenizer_name_or_path", default=None)
     parser.add_argument("--outtype", choices=GGUF_OUTTYPES, default="f16", help="gguf only: tensor precision")
-    parser.add_argument("--outfile", default=None,
-                        help="gguf only: file name inside --output_dir (default: <model dir name>-<outtype>.gguf)")
+    parser.add_argument(
+        "--outfile",
+        default=None,
+        help="gguf only: file name inside --output_dir (default: <model dir name>-<outtype>.gguf)",
+    )
     args = parser.parse_args(argv)
     if args.to == "qwen3":
         written = export_qwen3(args.model_name_or_path, args.output_dir, args.tokenizer_name_or_path)
     else:
         name = args.outfile or f"{Path(args.model_name_or_path).resolve().name}-{args.outtype}.gguf"
-        written = export_gguf(args.model_name_or_path, Path(args.output_dir) / name,
-                              args.tokenizer_name_or_path, outtype=args.outtype)
+        written = export_gguf(
+            args.model_name_or_path, Path(args.output_dir) / name, args.tokenizer_name_or_path, outtype=args.outtype
+        )
     print(f"wrote {written}")
     return written
 
@@ -371,8 +508,11 @@ def push_to_hub(argv=None):
     parser = _parser(push_to_hub.__doc__)
     parser.add_argument("--model_name_or_path", required=True, help="directory written by save_pretrained")
     parser.add_argument("--repo_id", required=True, help="USER/NAME on the Hub")
-    parser.add_argument("--tokenizer_name_or_path", default=None,
-                        help="tokenizer directory, if the model directory has no tokenizer files")
+    parser.add_argument(
+        "--tokenizer_name_or_path",
+        default=None,
+        help="tokenizer directory, if the model directory has no tokenizer files",
+    )
     parser.add_argument("--private", action="store_true", help="create the repository as private")
     parser.add_argument("--token", default=None, help="Hub token (default: the logged-in one)")
     parser.add_argument("--license", default=DEFAULT_LICENSE, help="license id for the model card")
@@ -383,9 +523,15 @@ def push_to_hub(argv=None):
         plan = upload_plan(args.model_name_or_path, args.repo_id, args.tokenizer_name_or_path, license=args.license)
         print("\n".join([f"would upload to {args.repo_id} (nothing sent):", *describe_plan(plan)]))
         return plan
-    commit = push_model_dir(args.model_name_or_path, args.repo_id, tokenizer_dir=args.tokenizer_name_or_path,
-                            private=args.private or None, token=args.token, license=args.license,
-                            commit_message=args.commit_message)
+    commit = push_model_dir(
+        args.model_name_or_path,
+        args.repo_id,
+        tokenizer_dir=args.tokenizer_name_or_path,
+        private=args.private or None,
+        token=args.token,
+        license=args.license,
+        commit_message=args.commit_message,
+    )
     print(f"published {args.model_name_or_path} to {args.repo_id}: {getattr(commit, 'commit_url', commit)}")
     return commit
 
@@ -401,29 +547,45 @@ def evaluate(argv=None):
     minimind-eval --write_facts_task data/eval_facts.jsonl      # rebuild the bundled task file from data/dpo.jsonl
     """
     from minimind.chat import DTYPES
-    from minimind.evaluate import FACTS_TASK, EvalSettings, evaluate as run, write_facts_task
+    from minimind.evaluate import FACTS_TASK, EvalSettings, write_facts_task
+    from minimind.evaluate import evaluate as run
 
     parser = _parser(evaluate.__doc__)
     parser.add_argument("--model_name_or_path", help="a MiniMind directory with its tokenizer")
-    parser.add_argument("--tasks", nargs="*", default=[FACTS_TASK],
-                        help="lm-eval task names (none: only the tool-calling score)")
-    parser.add_argument("--limit", type=float, default=None,
-                        help="documents per task (a number below 1 is a fraction, lm-eval's rule)")
+    parser.add_argument(
+        "--tasks", nargs="*", default=[FACTS_TASK], help="lm-eval task names (none: only the tool-calling score)"
+    )
+    parser.add_argument(
+        "--limit", type=float, default=None, help="documents per task (a number below 1 is a fraction, lm-eval's rule)"
+    )
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--num_fewshot", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="e.g. cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--apply_chat_template", action=argparse.BooleanOptionalAction, default=True,
-                        help="wrap each prompt in the chat template (the default: MiniMind models are chat models)")
+    parser.add_argument(
+        "--apply_chat_template",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap each prompt in the chat template (the default: MiniMind models are chat models)",
+    )
     parser.add_argument("--include_path", nargs="*", default=[], help="more directories of lm-eval task YAMLs")
-    parser.add_argument("--tool_calling", action=argparse.BooleanOptionalAction, default=True,
-                        help="score greedy tool calls on the bundled tool-use prompts")
+    parser.add_argument(
+        "--tool_calling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="score greedy tool calls on the bundled tool-use prompts",
+    )
     parser.add_argument("--tool_limit", type=int, default=None, help="tool-use prompts to score (default: all)")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="reply length for the tool calls")
-    parser.add_argument("--no_write", dest="write", action="store_false",
-                        help="print the table only, write nothing into the model directory")
-    parser.add_argument("--write_facts_task", metavar="PATH", default=None,
-                        help="write the bundled task's jsonl to PATH and stop")
+    parser.add_argument(
+        "--no_write",
+        dest="write",
+        action="store_false",
+        help="print the table only, write nothing into the model directory",
+    )
+    parser.add_argument(
+        "--write_facts_task", metavar="PATH", default=None, help="write the bundled task's jsonl to PATH and stop"
+    )
     args = parser.parse_args(argv)
     if args.write_facts_task:
         from pathlib import Path
@@ -435,17 +597,37 @@ def evaluate(argv=None):
     if not args.model_name_or_path:
         parser.error("--model_name_or_path is required (or --write_facts_task PATH)")
     limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-    settings = EvalSettings(model_dir=args.model_name_or_path, tasks=tuple(args.tasks), limit=limit,
-                            batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                            apply_chat_template=args.apply_chat_template, num_fewshot=args.num_fewshot,
-                            include_paths=tuple(args.include_path), tool_calling=args.tool_calling,
-                            tool_limit=args.tool_limit, max_new_tokens=args.max_new_tokens, write=args.write)
+    settings = EvalSettings(
+        model_dir=args.model_name_or_path,
+        tasks=tuple(args.tasks),
+        limit=limit,
+        batch_size=args.batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        apply_chat_template=args.apply_chat_template,
+        num_fewshot=args.num_fewshot,
+        include_paths=tuple(args.include_path),
+        tool_calling=args.tool_calling,
+        tool_limit=args.tool_limit,
+        max_new_tokens=args.max_new_tokens,
+        write=args.write,
+    )
     return run(settings)
 
 
-_CONVERT_INT_FLAGS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                      "num_key_value_heads", "head_dim", "max_position_embeddings", "num_experts",
-                      "num_experts_per_tok", "moe_intermediate_size")
+_CONVERT_INT_FLAGS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 _CONVERT_FLOAT_FLAGS = ("rope_theta", "rms_norm_eps")
 _CONVERT_BOOL_FLAGS = ("use_moe", "qk_norm", "tie_word_embeddings", "norm_topk_prob", "inference_rope_scaling")
 
@@ -467,16 +649,30 @@ def convert(argv=None):
     below override them; anything unset takes MiniMindConfig's default. Keys that do not match are listed by
     name. The result loads with AutoModelForCausalLM.from_pretrained(output_dir, trust_remote_code=True).
     """
-    from minimind.convert import (config_from_upstream_settings, convert_upstream_checkpoint,
-                                  convert_upstream_directory, read_settings_json)
+    from minimind.convert import (
+        config_from_upstream_settings,
+        convert_upstream_checkpoint,
+        convert_upstream_directory,
+        read_settings_json,
+    )
 
     parser = _parser(convert.__doc__)
     # --model_name_or_path like every other command: here the model to import is the upstream .pth file.
-    parser.add_argument("--pth", "--model_name_or_path", dest="pth", required=True,
-                        help="upstream state dict saved with torch.save, or with --from upstream-hf the upstream "
-                             "directory (the model to import)")
-    parser.add_argument("--from", dest="source", choices=("pth", "upstream-hf"), default="pth",
-                        help="upstream-hf: a directory upstream's save_pretrained wrote (config.json, safetensors)")
+    parser.add_argument(
+        "--pth",
+        "--model_name_or_path",
+        dest="pth",
+        required=True,
+        help="upstream state dict saved with torch.save, or with --from upstream-hf the upstream "
+        "directory (the model to import)",
+    )
+    parser.add_argument(
+        "--from",
+        dest="source",
+        choices=("pth", "upstream-hf"),
+        default="pth",
+        help="upstream-hf: a directory upstream's save_pretrained wrote (config.json, safetensors)",
+    )
     parser.add_argument("--output_dir", required=True, help="MiniMind model directory to write")
     parser.add_argument("--config_json", default=None, help="JSON object of upstream/MiniMind config settings")
     parser.add_argument("--tokenizer_name_or_path", default=None, help="tokenizer directory to copy along")
@@ -490,21 +686,27 @@ def convert(argv=None):
         switch.add_argument(f"--no_{name}", dest=name, action="store_false", default=None)
     args = parser.parse_args(argv)
     settings = read_settings_json(args.config_json) if args.config_json else {}
-    settings.update({name: getattr(args, name) for name in _CONVERT_INT_FLAGS + _CONVERT_FLOAT_FLAGS
-                     + _CONVERT_BOOL_FLAGS if getattr(args, name) is not None})
+    settings.update(
+        {
+            name: getattr(args, name)
+            for name in _CONVERT_INT_FLAGS + _CONVERT_FLOAT_FLAGS + _CONVERT_BOOL_FLAGS
+            if getattr(args, name) is not None
+        }
+    )
     if args.source == "upstream-hf":
         model = convert_upstream_directory(args.pth, args.output_dir, args.tokenizer_name_or_path, settings)
     else:
-        model = convert_upstream_checkpoint(args.pth, config_from_upstream_settings(settings), args.output_dir,
-                                            args.tokenizer_name_or_path)
-    print(f"wrote {args.output_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"dtype {model.dtype}")
+        model = convert_upstream_checkpoint(
+            args.pth, config_from_upstream_settings(settings), args.output_dir, args.tokenizer_name_or_path
+        )
+    print(f"wrote {args.output_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, dtype {model.dtype}")
     return model
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Tokenizer and benchmark
 # --------------------------------------------------------------------------------------------------------------
+
 
 @command
 def train_tokenizer(argv=None):
@@ -518,20 +720,27 @@ def train_tokenizer(argv=None):
     import logging
     from pathlib import Path
 
-    from minimind.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer as train
+    from minimind.tokenizer import DEFAULT_VOCAB_SIZE
+    from minimind.tokenizer import train_tokenizer as train
     from minimind.training import BUNDLED_DATA, BUNDLED_TOKENIZER
 
     parser = _parser(train_tokenizer.__doc__)
-    parser.add_argument("--files", nargs="+", type=Path, default=[Path(path) for path in BUNDLED_DATA.values()],
-                        help="training text: .jsonl corpora or plain text files (default: bundled data/)")
+    parser.add_argument(
+        "--files",
+        nargs="+",
+        type=Path,
+        default=[Path(path) for path in BUNDLED_DATA.values()],
+        help="training text: .jsonl corpora or plain text files (default: bundled data/)",
+    )
     # Underscored like every other command's flags; the dashed spellings stay as aliases.
     parser.add_argument("--vocab_size", "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--min_frequency", "--min-frequency", type=int, default=2)
     parser.add_argument("--output_dir", "--output-dir", type=Path, default=BUNDLED_TOKENIZER)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    tokenizer = train(args.files, vocab_size=args.vocab_size, output_dir=args.output_dir,
-                      min_frequency=args.min_frequency)
+    tokenizer = train(
+        args.files, vocab_size=args.vocab_size, output_dir=args.output_dir, min_frequency=args.min_frequency
+    )
     print(f"saved tokenizer with {len(tokenizer)} tokens to {args.output_dir}")
     return tokenizer
 
@@ -557,23 +766,43 @@ def benchmark(argv=None):
     parser.add_argument("--rows", nargs="*", default=[], help="row ids or glob patterns (default: all rows)")
     parser.add_argument("--repeats", type=int, help="timed repeats per model (default 4, decode 2, quick 1)")
     parser.add_argument("--warmup", type=int, help="untimed runs per model first (default 1, train 2)")
-    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                        help="torch.compile the static-cache decode row (auto: on for cuda only)")
+    parser.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="torch.compile the static-cache decode row (auto: on for cuda only)",
+    )
     parser.add_argument("--attn", default="sdpa", help="attention kernel for both models, e.g. flash_attention_2")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument("--profile", nargs="*", default=[],
-                        help="row ids or glob patterns: print torch.profiler's op table for ours and native")
-    parser.add_argument("--table", default="main", choices=TABLES,
-                        help="main: vs transformers' Qwen3; peers: llama.cpp on the GGUF export and padded vs "
-                             "padding-free SFT (CPU), its section replacing the output file's '## Peers'; all: both")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        help="row ids or glob patterns: print torch.profiler's op table for ours and native",
+    )
+    parser.add_argument(
+        "--table",
+        default="main",
+        choices=TABLES,
+        help="main: vs transformers' Qwen3; peers: llama.cpp on the GGUF export and padded vs "
+        "padding-free SFT (CPU), its section replacing the output file's '## Peers'; all: both",
+    )
     parser.add_argument("--output", default="docs/benchmarks.md", help="markdown file to write ('-' = none)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = BenchmarkSettings(device=args.device, quick=args.quick, rows=args.rows, repeats=args.repeats,
-                                 warmup=args.warmup, compile=args.compile, attn_implementation=args.attn,
-                                 profile=args.profile, table=args.table,
-                                 command=" ".join(["minimind-benchmark", *(argv or sys.argv[1:])]))
+    settings = BenchmarkSettings(
+        device=args.device,
+        quick=args.quick,
+        rows=args.rows,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        compile=args.compile,
+        attn_implementation=args.attn,
+        profile=args.profile,
+        table=args.table,
+        command=" ".join(["minimind-benchmark", *(argv or sys.argv[1:])]),
+    )
     previous = ""
     if args.output != "-" and os.path.exists(args.output):
         with open(args.output) as existing:

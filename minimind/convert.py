@@ -47,8 +47,10 @@ def read_torch_file(path):
     if not path.exists():
         raise MissingInputError(f"{path}: no such file. Fix: check the path of the upstream checkpoint (--pth).")
     if path.is_dir():
-        raise InputError(f"{path} is a directory, not a .pth file. Fix: pass the .pth file, or --from upstream-hf "
-                         "for a directory that upstream's save_pretrained wrote.")
+        raise InputError(
+            f"{path} is a directory, not a .pth file. Fix: pass the .pth file, or --from upstream-hf "
+            "for a directory that upstream's save_pretrained wrote."
+        )
     try:
         if path.stat().st_size == 0:
             raise EOFError("the file is empty")
@@ -57,11 +59,14 @@ def read_torch_file(path):
         raise
     except Exception as error:
         if "Unsupported global" in str(error):
-            raise InputError(f"{path} holds Python objects besides tensors, which a weights-only load refuses so "
-                             f"that no code from the file runs ({_short_reason(error)}). Fix: save the state dict "
-                             "alone: torch.save(model.state_dict(), path).") from None
-        raise InputError(f"{path} is not a readable PyTorch checkpoint (truncated or not a torch.save file): "
-                         f"{_short_reason(error)}") from None
+            raise InputError(
+                f"{path} holds Python objects besides tensors, which a weights-only load refuses so "
+                f"that no code from the file runs ({_short_reason(error)}). Fix: save the state dict "
+                "alone: torch.save(model.state_dict(), path)."
+            ) from None
+        raise InputError(
+            f"{path} is not a readable PyTorch checkpoint (truncated or not a torch.save file): {_short_reason(error)}"
+        ) from None
 
 
 def read_safetensors_file(path):
@@ -81,8 +86,9 @@ def read_safetensors_file(path):
         raise
     except Exception as error:
         problem = _short_reason(error)
-    raise InputError(f"{path} is not a readable safetensors file (truncated or damaged): {problem}. Fix: copy or "
-                     "download it again.")
+    raise InputError(
+        f"{path} is not a readable safetensors file (truncated or damaged): {problem}. Fix: copy or download it again."
+    )
 
 
 def _read_json(path, what):
@@ -91,8 +97,9 @@ def _read_json(path, what):
     except FileNotFoundError:
         raise MissingInputError(f"{path}: no such file. Fix: check the path of {what}.") from None
     except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
-        raise InputError(f"{path} is not readable JSON ({_short_reason(error)}). Fix: pass {what} as upstream "
-                         "wrote it.") from None
+        raise InputError(
+            f"{path} is not readable JSON ({_short_reason(error)}). Fix: pass {what} as upstream wrote it."
+        ) from None
 
 
 def config_from_upstream_settings(settings):
@@ -102,8 +109,10 @@ def config_from_upstream_settings(settings):
 
     settings = {_UPSTREAM_RENAMES.get(key, key): value for key, value in settings.items()}
     if settings.pop("n_shared_experts", 0) and settings.get("use_moe"):
-        raise ValueError("n_shared_experts > 0: MiniMind has no shared experts, so their weights would be lost. "
-                         "Fix: import a checkpoint trained with n_shared_experts=0.")
+        raise ValueError(
+            "n_shared_experts > 0: MiniMind has no shared experts, so their weights would be lost. "
+            "Fix: import a checkpoint trained with n_shared_experts=0."
+        )
     scoring = settings.pop("scoring_func", "softmax")
     if scoring != "softmax":
         raise ValueError(f"scoring_func={scoring!r}: MiniMind routes with softmax only.")
@@ -138,19 +147,28 @@ def check_state_dict_matches(state_dict, model):
         expected = {key: value for key, value in expected.items() if key != "lm_head.weight"}
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
-    mismatched = [f"{key}: checkpoint {list(state_dict[key].shape)} vs config {list(expected[key].shape)}"
-                  for key in sorted(set(expected) & set(state_dict)) if state_dict[key].shape != expected[key].shape]
+    mismatched = [
+        f"{key}: checkpoint {list(state_dict[key].shape)} vs config {list(expected[key].shape)}"
+        for key in sorted(set(expected) & set(state_dict))
+        if state_dict[key].shape != expected[key].shape
+    ]
     if missing or unexpected or mismatched:
         raise ValueError(
             "The checkpoint does not match the MiniMind config built from the given settings.\n"
             f"missing keys ({len(missing)}): {missing}\nunexpected keys ({len(unexpected)}): {unexpected}\n"
             f"shape mismatches ({len(mismatched)}): {mismatched}\n"
             "Fix: pass the settings the checkpoint was trained with (e.g. --hidden_size, --num_hidden_layers, "
-            "--num_key_value_heads, --intermediate_size, --use_moe, --qk_norm/--no_qk_norm).")
-    if model.config.tie_word_embeddings and "lm_head.weight" in state_dict and \
-            not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]):
-        raise ValueError("tie_word_embeddings=True but the checkpoint's lm_head.weight differs from "
-                         "model.embed_tokens.weight. Fix: pass --no_tie_word_embeddings.")
+            "--num_key_value_heads, --intermediate_size, --use_moe, --qk_norm/--no_qk_norm)."
+        )
+    if (
+        model.config.tie_word_embeddings
+        and "lm_head.weight" in state_dict
+        and not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"])
+    ):
+        raise ValueError(
+            "tie_word_embeddings=True but the checkpoint's lm_head.weight differs from "
+            "model.embed_tokens.weight. Fix: pass --no_tie_word_embeddings."
+        )
 
 
 def convert_upstream_checkpoint(pth_path, config, output_dir, tokenizer_name_or_path=None):
@@ -160,9 +178,8 @@ def convert_upstream_checkpoint(pth_path, config, output_dir, tokenizer_name_or_
 
 
 def _write_minimind_dir(state_dict, config, output_dir, tokenizer_name_or_path=None):
-    from modeling_minimind import MiniMindForCausalLM
-
     from minimind.export import copy_tokenizer_files
+    from modeling_minimind import MiniMindForCausalLM
 
     model = MiniMindForCausalLM(config)
     check_state_dict_matches(state_dict, model)
@@ -183,8 +200,14 @@ def read_settings_json(path):
     settings = _read_json(path, "a JSON object of config settings (--config_json)")
     if not isinstance(settings, dict):
         raise InputError(f"{path} must hold a JSON object of config settings.")
-    for transformers_bookkeeping in ("architectures", "auto_map", "model_type", "transformers_version", "dtype",
-                                     "torch_dtype"):
+    for transformers_bookkeeping in (
+        "architectures",
+        "auto_map",
+        "model_type",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+    ):
         settings.pop(transformers_bookkeeping, None)
     return settings
 
@@ -215,9 +238,11 @@ def load_upstream_directory_weights(upstream_dir):
     elif (upstream_dir / "pytorch_model.bin").is_file():
         return load_upstream_state_dict(upstream_dir / "pytorch_model.bin")
     else:
-        raise MissingInputError(f"{upstream_dir} has no model.safetensors, model.safetensors.index.json or "
-                                f"pytorch_model.bin. Fix: pass the directory upstream's save_pretrained wrote "
-                                f"(for a .pth file use --pth).")
+        raise MissingInputError(
+            f"{upstream_dir} has no model.safetensors, model.safetensors.index.json or "
+            f"pytorch_model.bin. Fix: pass the directory upstream's save_pretrained wrote "
+            f"(for a .pth file use --pth)."
+        )
     return _strip_wrappers_and_rope_tables(state_dict)
 
 
@@ -228,8 +253,10 @@ def settings_from_upstream_directory(config_json, state_dict):
     settings = _read_json(config_json, "the upstream directory's config.json")
     model_type = settings.get("model_type") if isinstance(settings, dict) else None
     if model_type != "minimind":
-        raise ValueError(f"{config_json}: model_type is {model_type!r}, not 'minimind'. Fix: pass "
-                         f"an upstream MiniMind directory (a MiniMind directory of this project needs no import).")
+        raise ValueError(
+            f"{config_json}: model_type is {model_type!r}, not 'minimind'. Fix: pass "
+            f"an upstream MiniMind directory (a MiniMind directory of this project needs no import)."
+        )
     minimind2 = any(name in settings for name in _MINIMIND2_FIELDS)
     for bookkeeping in ("architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype"):
         settings.pop(bookkeeping, None)
@@ -244,9 +271,12 @@ def settings_from_upstream_directory(config_json, state_dict):
         settings["moe_intermediate_size"] = expert_width.shape[0]
         if settings.get("intermediate_size") is None:
             settings["intermediate_size"] = expert_width.shape[0]
-    if "tie_word_embeddings" not in settings and "lm_head.weight" in state_dict and \
-            "model.embed_tokens.weight" in state_dict and \
-            not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"]):
+    if (
+        "tie_word_embeddings" not in settings
+        and "lm_head.weight" in state_dict
+        and "model.embed_tokens.weight" in state_dict
+        and not torch.equal(state_dict["lm_head.weight"], state_dict["model.embed_tokens.weight"])
+    ):
         settings["tie_word_embeddings"] = False
     if minimind2 and settings.get("use_moe") and settings.get("num_experts_per_tok", 2) == 1:
         # MiniMind2 leaves a lone top-1 weight as the router probability; norm_topk_prob would make it 1.
@@ -262,18 +292,24 @@ def convert_upstream_directory(upstream_dir, output_dir, tokenizer_name_or_path=
 
     upstream_dir = Path(upstream_dir)
     if not upstream_dir.is_dir():
-        fix = ("Fix: with --from upstream-hf pass the directory that upstream's save_pretrained wrote (for a .pth "
-               "file leave --from out).")
+        fix = (
+            "Fix: with --from upstream-hf pass the directory that upstream's save_pretrained wrote (for a .pth "
+            "file leave --from out)."
+        )
         if upstream_dir.exists():
             raise InputError(f"{upstream_dir} is a file, not a directory. {fix}")
         raise MissingInputError(f"{upstream_dir}: no such directory. {fix}")
     if not (upstream_dir / "config.json").is_file():
-        raise MissingInputError(f"{upstream_dir} has no config.json. Fix: pass the directory upstream's "
-                                f"save_pretrained wrote (for a .pth file use --pth).")
+        raise MissingInputError(
+            f"{upstream_dir} has no config.json. Fix: pass the directory upstream's "
+            f"save_pretrained wrote (for a .pth file use --pth)."
+        )
     if not tokenizer_name_or_path and not (upstream_dir / "tokenizer.json").is_file():
-        raise ValueError(f"{upstream_dir} has no tokenizer.json, and a checkpoint is only useful with the tokenizer "
-                         f"it was trained with. Fix: pass --tokenizer_name_or_path with upstream's tokenizer "
-                         f"directory (one holding {', '.join(TOKENIZER_FILES[:2])}).")
+        raise ValueError(
+            f"{upstream_dir} has no tokenizer.json, and a checkpoint is only useful with the tokenizer "
+            f"it was trained with. Fix: pass --tokenizer_name_or_path with upstream's tokenizer "
+            f"directory (one holding {', '.join(TOKENIZER_FILES[:2])})."
+        )
     state_dict = load_upstream_directory_weights(upstream_dir)
     settings = settings_from_upstream_directory(upstream_dir / "config.json", state_dict)
     settings.update(overrides or {})

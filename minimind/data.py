@@ -69,41 +69,53 @@ class _RowError(Exception):
 # Validation
 # --------------------------------------------------------------------------
 
+
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
 def _check_tool_calls(tool_calls: Any, where: str) -> None:
     if not isinstance(tool_calls, list) or not tool_calls:
-        raise _RowError(f"{where} 'tool_calls' must be a non-empty list, got {_type_name(tool_calls)}",
-                        'write "tool_calls": [{"type": "function", "function": {"name": ..., "arguments": {...}}}]')
+        raise _RowError(
+            f"{where} 'tool_calls' must be a non-empty list, got {_type_name(tool_calls)}",
+            'write "tool_calls": [{"type": "function", "function": {"name": ..., "arguments": {...}}}]',
+        )
     for j, call in enumerate(tool_calls):
         function = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _RowError(f"{where} tool call {j} has no string 'name'",
-                            'give each tool call {"function": {"name": "...", "arguments": {...}}}')
+            raise _RowError(
+                f"{where} tool call {j} has no string 'name'",
+                'give each tool call {"function": {"name": "...", "arguments": {...}}}',
+            )
         if not isinstance(function.get("arguments", {}), (dict, str)):
-            raise _RowError(f"{where} tool call {j} 'arguments' must be an object or a JSON string",
-                            'write "arguments": {"param": value}')
+            raise _RowError(
+                f"{where} tool call {j} 'arguments' must be an object or a JSON string",
+                'write "arguments": {"param": value}',
+            )
 
 
 def _check_conversation(messages: Any, key: str) -> None:
     """Raise _RowError unless ``messages`` is a trainable chat."""
     if not isinstance(messages, list):
-        raise _RowError(f"'{key}' must be a list of messages, got {_type_name(messages)}",
-                        f'write "{key}": [{{"role": "user", "content": "..."}}, '
-                        '{"role": "assistant", "content": "..."}]')
+        raise _RowError(
+            f"'{key}' must be a list of messages, got {_type_name(messages)}",
+            f'write "{key}": [{{"role": "user", "content": "..."}}, {{"role": "assistant", "content": "..."}}]',
+        )
     if not messages:
         raise _RowError(f"'{key}' is empty", "add at least a user message and an assistant reply, or delete the line")
     for i, message in enumerate(messages):
         where = f"'{key}' message {i}"
         if not isinstance(message, dict):
-            raise _RowError(f"{where} must be an object, got {_type_name(message)}",
-                            'write each message as {"role": "...", "content": "..."}')
+            raise _RowError(
+                f"{where} must be an object, got {_type_name(message)}",
+                'write each message as {"role": "...", "content": "..."}',
+            )
         role = message.get("role")
         if role not in ROLES:
-            raise _RowError(f"{where} has unknown role {role!r}",
-                            f"use one of {', '.join(ROLES)} (e.g. rename 'human' to 'user', 'gpt' to 'assistant')")
+            raise _RowError(
+                f"{where} has unknown role {role!r}",
+                f"use one of {', '.join(ROLES)} (e.g. rename 'human' to 'user', 'gpt' to 'assistant')",
+            )
         content = message.get("content")
         has_calls = role == "assistant" and message.get("tool_calls") is not None
         if has_calls:
@@ -111,22 +123,31 @@ def _check_conversation(messages: Any, key: str) -> None:
         reasoning = message.get("reasoning_content")
         if reasoning is not None:
             if role != "assistant":
-                raise _RowError(f"{where} ({role}) has 'reasoning_content', which only assistant messages may carry",
-                                "move the reasoning to the assistant reply it belongs to, or drop the key")
+                raise _RowError(
+                    f"{where} ({role}) has 'reasoning_content', which only assistant messages may carry",
+                    "move the reasoning to the assistant reply it belongs to, or drop the key",
+                )
             if not isinstance(reasoning, str):
-                raise _RowError(f"{where} (assistant) 'reasoning_content' must be a string, got "
-                                f"{_type_name(reasoning)}", 'write "reasoning_content": "..." (plain text) or drop it')
+                raise _RowError(
+                    f"{where} (assistant) 'reasoning_content' must be a string, got {_type_name(reasoning)}",
+                    'write "reasoning_content": "..." (plain text) or drop it',
+                )
         if content is None and has_calls:
             continue
         if not isinstance(content, str):
-            raise _RowError(f"{where} ({role}) 'content' must be a string, got {_type_name(content)}",
-                            'write "content": "..." (plain text; lists of parts are not supported)')
+            raise _RowError(
+                f"{where} ({role}) 'content' must be a string, got {_type_name(content)}",
+                'write "content": "..." (plain text; lists of parts are not supported)',
+            )
         if role == "assistant" and not has_calls and not content.strip():
-            raise _RowError(f"{where} is an assistant reply with empty content",
-                            "write the reply text, or delete the message")
+            raise _RowError(
+                f"{where} is an assistant reply with empty content", "write the reply text, or delete the message"
+            )
     if not any(m["role"] == "assistant" for m in messages):
-        raise _RowError(f"'{key}' has no assistant message, so there is nothing to train on",
-                        'add a reply {"role": "assistant", "content": "..."}')
+        raise _RowError(
+            f"'{key}' has no assistant message, so there is nothing to train on",
+            'add a reply {"role": "assistant", "content": "..."}',
+        )
 
 
 # Far deeper than any training row needs. Deeper rows would fail later, outside the line-numbered checks: in
@@ -148,8 +169,10 @@ def _check_strings_and_nesting(row: Any) -> None:
     while stack:
         value, path = stack.pop()
         if len(path) > MAX_NESTING:
-            raise _RowError(f"arrays/objects nested more than {MAX_NESTING} levels deep",
-                            f"flatten the line (no training format nests that deep), {_SKIP_HINT}")
+            raise _RowError(
+                f"arrays/objects nested more than {MAX_NESTING} levels deep",
+                f"flatten the line (no training format nests that deep), {_SKIP_HINT}",
+            )
         if isinstance(value, dict):
             for key, item in value.items():
                 _check_unicode(key, f"a key in {_where(path)}")
@@ -166,16 +189,17 @@ def _check_unicode(text: Any, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise _RowError(f"{where} is not valid Unicode (lone surrogate {text[error.start]!r} at character "
-                        f"{error.start}, from a \\uXXXX escape that is half of a pair)",
-                        f"replace the escape with the intended character, {_SKIP_HINT}") from None
+        raise _RowError(
+            f"{where} is not valid Unicode (lone surrogate {text[error.start]!r} at character "
+            f"{error.start}, from a \\uXXXX escape that is half of a pair)",
+            f"replace the escape with the intended character, {_SKIP_HINT}",
+        ) from None
 
 
 def _check_row(row: Any, kind: str) -> None:
     _check_strings_and_nesting(row)
     if not isinstance(row, dict):
-        raise _RowError(f"expected a JSON object, got {_type_name(row)}",
-                        _EXAMPLES[kind])
+        raise _RowError(f"expected a JSON object, got {_type_name(row)}", _EXAMPLES[kind])
     if kind == "pretrain":
         if "text" not in row:
             raise _RowError("missing key 'text'", _EXAMPLES[kind])
@@ -189,34 +213,42 @@ def _check_row(row: Any, kind: str) -> None:
         _check_conversation(row["conversations"], "conversations")
         tools = row.get("tools")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise _RowError("'tools' must be a list of objects (JSON schemas)",
-                            'write "tools": [{"type": "function", "function": {...}}] or drop the key')
+            raise _RowError(
+                "'tools' must be a list of objects (JSON schemas)",
+                'write "tools": [{"type": "function", "function": {...}}] or drop the key',
+            )
     else:
         for key in ("chosen", "rejected"):
             if key not in row:
                 raise _RowError(f"missing key '{key}'", _EXAMPLES[kind])
             _check_conversation(row[key], key)
             if row[key][-1]["role"] != "assistant":
-                raise _RowError(f"'{key}' must end with the assistant reply being compared",
-                                f"make the last message of '{key}' the assistant answer")
+                raise _RowError(
+                    f"'{key}' must end with the assistant reply being compared",
+                    f"make the last message of '{key}' the assistant answer",
+                )
         # TRL takes the shared messages as the prompt; pairs whose prompts differ have nothing to compare (and
         # TRL 1.16 fails on them with a bare IndexError).
         chosen_prompt, rejected_prompt = row["chosen"][:-1], row["rejected"][:-1]
         if chosen_prompt != rejected_prompt:
-            at = next((i for i, (a, b) in enumerate(zip(chosen_prompt, rejected_prompt)) if a != b),
-                      min(len(chosen_prompt), len(rejected_prompt)))
-            raise _RowError(f"'chosen' and 'rejected' have different prompts (they differ at message {at}; "
-                            f"{len(chosen_prompt)} and {len(rejected_prompt)} messages before the final reply)",
-                            "give both the same messages up to the final assistant reply; only that reply may differ")
+            at = next(
+                (i for i, (a, b) in enumerate(zip(chosen_prompt, rejected_prompt)) if a != b),
+                min(len(chosen_prompt), len(rejected_prompt)),
+            )
+            raise _RowError(
+                f"'chosen' and 'rejected' have different prompts (they differ at message {at}; "
+                f"{len(chosen_prompt)} and {len(rejected_prompt)} messages before the final reply)",
+                "give both the same messages up to the final assistant reply; only that reply may differ",
+            )
 
 
 _EXAMPLES = {
     "pretrain": 'each line must look like {"text": "some training text"}',
     "sft": 'each line must look like {"conversations": [{"role": "user", "content": "Hi"}, '
-           '{"role": "assistant", "content": "Hello!"}]}',
+    '{"role": "assistant", "content": "Hello!"}]}',
     "dpo": 'each line must look like {"chosen": [{"role": "user", "content": "Q"}, '
-           '{"role": "assistant", "content": "good answer"}], "rejected": [{"role": "user", '
-           '"content": "Q"}, {"role": "assistant", "content": "bad answer"}]}',
+    '{"role": "assistant", "content": "good answer"}], "rejected": [{"role": "user", '
+    '"content": "Q"}, {"role": "assistant", "content": "bad answer"}]}',
 }
 
 
@@ -239,11 +271,14 @@ def _read_numbered_rows(path: str | Path, kind: str, skip_bad_lines: bool) -> tu
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = Path(path)
     if path.is_dir():
-        raise DataFormatError(f"{path}: is a directory, not a JSONL file. Fix: pass the path of a .jsonl file "
-                              "(--data_path DIR/FILE.jsonl).")
+        raise DataFormatError(
+            f"{path}: is a directory, not a JSONL file. Fix: pass the path of a .jsonl file "
+            "(--data_path DIR/FILE.jsonl)."
+        )
     if not path.is_file():
-        raise DataFormatError(f"{path}: no such file. Fix: check the path (--data_path) or create the file; "
-                              f"{_EXAMPLES[kind]}.")
+        raise DataFormatError(
+            f"{path}: no such file. Fix: check the path (--data_path) or create the file; {_EXAMPLES[kind]}."
+        )
     rows: list[dict] = []
     lines: list[int] = []
     skipped = 0
@@ -258,12 +293,16 @@ def _read_numbered_rows(path: str | Path, kind: str, skip_bad_lines: bool) -> tu
                 try:
                     row = json.loads(line.rstrip("\r\n"))  # else an error at the end is 'column 1' of the next line
                 except json.JSONDecodeError as e:
-                    raise _RowError(f"invalid JSON ({e.msg} at column {e.colno})",
-                                    "check for unbalanced quotes/brackets or a trailing comma; "
-                                    "each line must be one complete JSON object") from None
+                    raise _RowError(
+                        f"invalid JSON ({e.msg} at column {e.colno})",
+                        "check for unbalanced quotes/brackets or a trailing comma; "
+                        "each line must be one complete JSON object",
+                    ) from None
                 except RecursionError:
-                    raise _RowError(f"arrays/objects nested more than {MAX_NESTING} levels deep",
-                                    f"flatten the line (no training format nests that deep), {_SKIP_HINT}") from None
+                    raise _RowError(
+                        f"arrays/objects nested more than {MAX_NESTING} levels deep",
+                        f"flatten the line (no training format nests that deep), {_SKIP_HINT}",
+                    ) from None
                 except ValueError as e:  # e.g. an integer of more digits than Python converts
                     raise _RowError(f"invalid JSON ({e})", f"shorten or quote the value, {_SKIP_HINT}") from None
                 _check_row(row, kind)
@@ -292,6 +331,7 @@ def _read_numbered_rows(path: str | Path, kind: str, skip_bad_lines: bool) -> tu
 # Pretraining
 # --------------------------------------------------------------------------
 
+
 def _rows(pieces: list[list[int]]) -> dict[str, list]:
     return {"input_ids": pieces, "labels": [list(p) for p in pieces], "attention_mask": [[1] * len(p) for p in pieces]}
 
@@ -299,13 +339,13 @@ def _rows(pieces: list[list[int]]) -> dict[str, list]:
 def pack_sequences(batch: dict[str, list], length: int) -> dict[str, list]:
     """Concatenate ``batch["input_ids"]`` and cut into full blocks of ``length``; drop the remainder."""
     stream = list(chain.from_iterable(batch["input_ids"]))
-    return _rows([stream[i:i + length] for i in range(0, len(stream) // length * length, length)])
+    return _rows([stream[i : i + length] for i in range(0, len(stream) // length * length, length)])
 
 
 def split_documents(batch: dict[str, list], length: int) -> dict[str, list]:
     """One row per document, long documents cut into pieces of at most ``length`` tokens. A 1-token piece is
     dropped: it predicts nothing."""
-    pieces = [ids[i:i + length] for ids in batch["input_ids"] for i in range(0, len(ids), length)]
+    pieces = [ids[i : i + length] for ids in batch["input_ids"] for i in range(0, len(ids), length)]
     return _rows([piece for piece in pieces if len(piece) > 1])
 
 
@@ -329,19 +369,25 @@ def build_pretrain_dataset(
     dataset = dataset.map(tokenize, batched=True, remove_columns=["text"], desc="tokenising pretrain text")
     n_tokens = sum(len(x) for x in dataset["input_ids"])
     # batch_size=None: the whole corpus in one pass, so only the last partial block is lost.
-    dataset = dataset.map(pack_sequences if packed else split_documents, batched=True, batch_size=None,
-                          fn_kwargs={"length": max_seq_length},
-                          desc="packing" if packed else "splitting documents")
+    dataset = dataset.map(
+        pack_sequences if packed else split_documents,
+        batched=True,
+        batch_size=None,
+        fn_kwargs={"length": max_seq_length},
+        desc="packing" if packed else "splitting documents",
+    )
     if len(dataset) == 0:
         raise DataFormatError(
             f"{path}: only {n_tokens} tokens, fewer than max_seq_length={max_seq_length}, so not one "
-            "training block can be made. Fix: lower max_seq_length or add more text.")
+            "training block can be made. Fix: lower max_seq_length or add more text."
+        )
     return dataset
 
 
 # --------------------------------------------------------------------------
 # Chat (SFT)
 # --------------------------------------------------------------------------
+
 
 def _render(tokenizer, messages: list[dict], tools: list | None, add_generation_prompt: bool) -> str:
     return "".join(text for text, _ in render_conversation(tokenizer, messages, tools, add_generation_prompt))
@@ -394,10 +440,12 @@ def _chat_source(rows: list[dict]) -> Dataset:
     # Conversations are stored as JSON strings: Arrow would otherwise merge
     # the keys of all messages / tool arguments into one struct type and add
     # null fields that the chat template would then render.
-    return Dataset.from_dict({
-        "conversations": [json.dumps(row["conversations"], ensure_ascii=False) for row in rows],
-        "tools": [json.dumps(row.get("tools") or [], ensure_ascii=False) for row in rows],
-    })
+    return Dataset.from_dict(
+        {
+            "conversations": [json.dumps(row["conversations"], ensure_ascii=False) for row in rows],
+            "tools": [json.dumps(row.get("tools") or [], ensure_ascii=False) for row in rows],
+        }
+    )
 
 
 DROPPED_LINES_SHOWN = 5
@@ -409,14 +457,23 @@ def _drop_report(path, kind: str, lines: list[int], kept_lines: list[int], max_s
     if not kept_lines:
         raise DataFormatError(
             f"{path}: no {kind} example keeps any assistant tokens after truncation to "
-            f"max_seq_length={max_seq_length}. Fix: raise max_seq_length or shorten the prompts.")
+            f"max_seq_length={max_seq_length}. Fix: raise max_seq_length or shorten the prompts."
+        )
     kept = set(kept_lines)
     dropped = [line for line in lines if line not in kept]
     if dropped:
-        shown = ", ".join(map(str, dropped[:DROPPED_LINES_SHOWN])) + (", ..." if len(dropped) > DROPPED_LINES_SHOWN
-                                                                      else "")
-        logger.warning("%s: dropped %d of %d %s examples whose assistant reply starts after max_seq_length=%d "
-                       "(line %s)", path, len(dropped), len(lines), kind, max_seq_length, shown)
+        shown = ", ".join(map(str, dropped[:DROPPED_LINES_SHOWN])) + (
+            ", ..." if len(dropped) > DROPPED_LINES_SHOWN else ""
+        )
+        logger.warning(
+            "%s: dropped %d of %d %s examples whose assistant reply starts after max_seq_length=%d (line %s)",
+            path,
+            len(dropped),
+            len(lines),
+            kind,
+            max_seq_length,
+            shown,
+        )
 
 
 def build_sft_dataset(
@@ -443,9 +500,11 @@ def build_sft_dataset(
             except (TemplateError, ValueError, TypeError, KeyError, IndexError, RecursionError) as error:
                 # A row that passed validation but that the chat template refuses (e.g. one that opens with the
                 # assistant's reply): still this line's problem, named with its number, not a traceback mid-map.
-                message = (f"{path}, line {lines[index]}: the chat template cannot render this conversation "
-                           f"({type(error).__name__}: {' '.join(str(error).split())}). Fix: check the order of the "
-                           f"roles (open with a system or user message), {_SKIP_HINT}.")
+                message = (
+                    f"{path}, line {lines[index]}: the chat template cannot render this conversation "
+                    f"({type(error).__name__}: {' '.join(str(error).split())}). Fix: check the order of the "
+                    f"roles (open with a system or user message), {_SKIP_HINT}."
+                )
                 if not skip_bad_lines:
                     raise DataFormatError(message) from None
                 unrenderable.append((lines[index], message))
@@ -457,8 +516,9 @@ def build_sft_dataset(
         return out
 
     source = _chat_source(rows)
-    dataset = source.map(encode, batched=True, with_indices=True, remove_columns=source.column_names,
-                         desc="tokenising SFT chats")
+    dataset = source.map(
+        encode, batched=True, with_indices=True, remove_columns=source.column_names, desc="tokenising SFT chats"
+    )
     if unrenderable:
         first = unrenderable[0][1]
         logger.warning("skipped %d more bad line(s) in %s (first: %s)", len(unrenderable), path, first)
@@ -471,8 +531,14 @@ def build_sft_dataset(
     return dataset.remove_columns("line")
 
 
-def build_dataset(kind: str, path: str | Path, tokenizer, max_seq_length: int, skip_bad_lines: bool = False,
-                  padding_free: bool = False) -> Dataset:
+def build_dataset(
+    kind: str,
+    path: str | Path,
+    tokenizer,
+    max_seq_length: int,
+    skip_bad_lines: bool = False,
+    padding_free: bool = False,
+) -> Dataset:
     """Tokenised rows of a pretrain or sft file; padding-free pretraining keeps documents apart."""
     if kind == "pretrain":
         return build_pretrain_dataset(path, tokenizer, max_seq_length, skip_bad_lines, packed=not padding_free)
@@ -484,6 +550,7 @@ def build_dataset(kind: str, path: str | Path, tokenizer, max_seq_length: int, s
 # --------------------------------------------------------------------------
 # Batching and splitting
 # --------------------------------------------------------------------------
+
 
 def collator(kind: str, tokenizer, padding_free: bool = False):
     """The data collator for ``kind`` rows.
@@ -515,7 +582,9 @@ def split_train_eval(dataset: Dataset, eval_fraction: float, seed: int = 42) -> 
         return dataset, None
     n_eval = max(1, round(len(dataset) * eval_fraction))
     if n_eval >= len(dataset):
-        raise ValueError(f"cannot hold out {n_eval} eval example(s) from a dataset of {len(dataset)}; "
-                         "add data or set eval_fraction to 0")
+        raise ValueError(
+            f"cannot hold out {n_eval} eval example(s) from a dataset of {len(dataset)}; "
+            "add data or set eval_fraction to 0"
+        )
     split = dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
     return split["train"], split["test"]

@@ -42,12 +42,20 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from transformers import (AttentionInterface, DynamicCache, LogitsProcessorList, StaticCache, StoppingCriteriaList,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from transformers import (
+    AttentionInterface,
+    DynamicCache,
+    LogitsProcessorList,
+    StaticCache,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
 # only when its context grows past the next multiple. The steps attend only the written part of the cache, which
@@ -70,8 +78,9 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
     if q_len != 1 or heads == kv_heads or dropout or (attention_mask is not None and attention_mask.shape[1] != 1):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)  # [B, K, G, Dh]
     if _attends_written_part(attention_mask):
         filled = _filled_length(attention_mask)
@@ -169,17 +178,32 @@ class Fp32Products(CustomGraphPass):
                     # Inductor gives a one-row view the strides (0, 1); ATen's product copies such an input first
                     # (25 copies a token) because the stride reads as no leading dimension. (in, 1) is the same row.
                     row = self._with_leading_stride(graph, inputs)
-                    weight_in_out = self._constant(graph, module, weight, "in_out", lambda w: w.t().contiguous(),
-                                                   weight.meta["val"].t().contiguous())  # [in, out]
-                    product = (graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out)) if bias is None
-                               else graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out)))
+                    weight_in_out = self._constant(
+                        graph,
+                        module,
+                        weight,
+                        "in_out",
+                        lambda w: w.t().contiguous(),
+                        weight.meta["val"].t().contiguous(),
+                    )  # [in, out]
+                    product = (
+                        graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out))
+                        if bias is None
+                        else graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out))
+                    )
                 else:
                     # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
-                    packed = self._constant(graph, module, weight, f"onednn_{rows}",
-                                            lambda w: torch.ops.mkldnn._reorder_linear_weight(w, rows),
-                                            weight.meta["val"])
-                    product = graph.call_function(torch.ops.mkldnn._linear_pointwise.default,
-                                                  (inputs, packed, bias, "none", [], ""))
+                    packed = self._constant(
+                        graph,
+                        module,
+                        weight,
+                        f"onednn_{rows}",
+                        lambda w, rows=rows: torch.ops.mkldnn._reorder_linear_weight(w, rows),
+                        weight.meta["val"],
+                    )
+                    product = graph.call_function(
+                        torch.ops.mkldnn._linear_pointwise.default, (inputs, packed, bias, "none", [], "")
+                    )
             product.meta.update(node.meta)
             node.replace_all_uses_with(product)
             graph.erase_node(node)
@@ -190,8 +214,9 @@ class Fp32Products(CustomGraphPass):
         value = row.meta["val"]
         if value.stride(-1) != 1:  # not one run of memory: leave it to ATen
             return row
-        strided = graph.call_function(torch.ops.aten.as_strided.default,
-                                      (row, list(value.shape), [value.shape[-1], 1]))
+        strided = graph.call_function(
+            torch.ops.aten.as_strided.default, (row, list(value.shape), [value.shape[-1], 1])
+        )
         strided.meta["val"] = value.as_strided(value.shape, (value.shape[-1], 1))
         return strided
 
@@ -267,12 +292,18 @@ class CompiledStep:
         # the only choice offered, so nothing is timed while compiling.
         sixteen_bit = self.dtype != torch.float32
         template = not sixteen_bit and fp32_product_kernel(batch) == "template"
-        return {"freezing": True, "cpp_wrapper": True, "cpp.enable_concat_linear": True,
-                "cpp.weight_prepack": True, "max_autotune": sixteen_bit or template,
-                "max_autotune_gemm_backends": "CPP" if template else "CPP,ATEN",
-                "post_grad_custom_pre_pass": Fp32Products() if self.dtype == torch.float32 else None,
-                # autotuning reports every choice on stderr, which would land in the middle of a chat
-                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+        return {
+            "freezing": True,
+            "cpp_wrapper": True,
+            "cpp.enable_concat_linear": True,
+            "cpp.weight_prepack": True,
+            "max_autotune": sixteen_bit or template,
+            "max_autotune_gemm_backends": "CPP" if template else "CPP,ATEN",
+            "post_grad_custom_pre_pass": Fp32Products() if self.dtype == torch.float32 else None,
+            # autotuning reports every choice on stderr, which would land in the middle of a chat
+            "autotune_num_choices_displayed": 0,
+            "max_autotune_report_choices_stats": False,
+        }
 
     def _own_step(self):
         """`_forward_one` bound to this decoder through a code object of its own. Dynamo keeps compiled graphs,
@@ -315,8 +346,10 @@ class CompiledStep:
     @contextlib.contextmanager
     def _compile_settings(self, batch):
         # capture_scalar_outputs: the steps' attention reads how much of the cache is filled (_filled_length)
-        with torch._inductor.config.patch(self.inductor_settings(batch)), \
-                torch._dynamo.config.patch(capture_scalar_outputs=True):
+        with (
+            torch._inductor.config.patch(self.inductor_settings(batch)),
+            torch._dynamo.config.patch(capture_scalar_outputs=True),
+        ):
             yield
 
     def _compiled_logits(self, token, position, cache):
@@ -328,8 +361,11 @@ class CompiledStep:
             with self._compile_settings(batch):
                 logits = self._step(token, position, cache)
         except Exception as error:  # compilation runs on fake tensors: the cache is untouched
-            warnings.warn(f"torch.compile could not build the decode step ({type(error).__name__}: {error}); "
-                          "decoding without compilation from here on (minimind-chat --no-compile skips the try)")
+            warnings.warn(
+                f"torch.compile could not build the decode step ({type(error).__name__}: {error}); "
+                "decoding without compilation from here on (minimind-chat --no-compile skips the try)",
+                stacklevel=2,
+            )
             self.compiled = False
             return self._forward_one(token, position, cache)
         self.compile_seconds += time.perf_counter() - started
@@ -353,14 +389,22 @@ class CompiledDecoder(CompiledStep):
 
     def _fresh_cache(self, batch: int, needed: int) -> StaticCache:
         length = cache_length(needed)
-        if (self._cache is not None and self._cache.layers[0].max_cache_len == length
-                and self._cache.layers[0].keys.shape[0] == batch):
+        if (
+            self._cache is not None
+            and self._cache.layers[0].max_cache_len == length
+            and self._cache.layers[0].keys.shape[0] == batch
+        ):
             self._cache.reset()
             return self._cache
         config = self.model.config
         cache = StaticCache(config=config, max_cache_len=length)
-        cache.early_initialization(batch_size=batch, num_heads=config.num_key_value_heads, head_dim=config.head_dim,
-                                   dtype=self.dtype, device=self.model.device)
+        cache.early_initialization(
+            batch_size=batch,
+            num_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            dtype=self.dtype,
+            device=self.model.device,
+        )
         # StaticCache marks its tensors as static addresses (for CUDA graphs). Freezing would then fold them into
         # the graph as constants, so in-place cache updates would write to a copy; as plain inputs they work.
         for layer in cache.layers:
@@ -370,15 +414,28 @@ class CompiledDecoder(CompiledStep):
         return cache
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask=None, *, max_new_tokens: int, do_sample: bool = False,
-                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                 eos_token_id: int | None = None, pad_token_id: int | None = None, streamer=None,
-                 stopping_criteria: StoppingCriteriaList | None = None):
+    def generate(
+        self,
+        input_ids,
+        attention_mask=None,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        streamer=None,
+        stopping_criteria: StoppingCriteriaList | None = None,
+    ):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got {list(input_ids.shape)}")
         if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("CompiledDecoder takes unpadded prompts of one length: attention_mask must be all "
-                             "ones; use model.generate for padded batches")
+            raise ValueError(
+                "CompiledDecoder takes unpadded prompts of one length: attention_mask must be all "
+                "ones; use model.generate for padded batches"
+            )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         batch, prompt_length = input_ids.shape
@@ -441,8 +498,11 @@ class RowCache(Cache):
         self.config = config
         if _tensors is None:
             shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, config.head_dim)
-            _tensors = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(rows, dtype=torch.long, device=device))
+            _tensors = (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(rows, dtype=torch.long, device=device),
+            )
         self.keys, self.values, self.positions = _tensors  # [layers, R, K, L, Dh] twice, [R]
         super().__init__(layers=[_RowLayer(k, v, self.positions) for k, v in zip(self.keys, self.values)])
 
@@ -450,9 +510,15 @@ class RowCache(Cache):
     def length(self) -> int:
         return self.keys.shape[3]
 
-    def first(self, rows: int) -> "RowCache":
-        return RowCache(self.config, rows, self.length, None, None,
-                        _tensors=(self.keys[:, :rows], self.values[:, :rows], self.positions[:rows]))
+    def first(self, rows: int) -> RowCache:
+        return RowCache(
+            self.config,
+            rows,
+            self.length,
+            None,
+            None,
+            _tensors=(self.keys[:, :rows], self.values[:, :rows], self.positions[:rows]),
+        )
 
     def fill_row(self, row: int, prompt_cache: DynamicCache, index: int, length: int) -> None:
         """Row `row` takes the first `length` keys and values of sequence `index` of a prompt batch's cache."""
@@ -498,8 +564,13 @@ class RowDecoder(CompiledStep):
 
     def _forward_one(self, token, position, cache):  # token [R, 1], position [R]
         seen = torch.arange(cache.length, device=position.device)[None, :] <= position[:, None]  # [R, L]
-        out = self.model(input_ids=token, position_ids=position[:, None], attention_mask=seen[:, None, None, :],
-                         cache=cache, use_cache=True)
+        out = self.model(
+            input_ids=token,
+            position_ids=position[:, None],
+            attention_mask=seen[:, None, None, :],
+            cache=cache,
+            use_cache=True,
+        )
         return out.logits[:, -1]  # [R, V]
 
 
@@ -510,14 +581,17 @@ def quantize_weights_int8(model):
     is for inference from here on: the checkpoint on disk keeps the original weights."""
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"int8 weights pair with 16-bit activations, but the model holds {dtype}: load it with "
-                         "dtype=torch.bfloat16 first")
+        raise ValueError(
+            f"int8 weights pair with 16-bit activations, but the model holds {dtype}: load it with "
+            "dtype=torch.bfloat16 first"
+        )
     with warnings.catch_warnings():  # torchao's CUDA-only kernels announce their absence on a CPU machine
         warnings.simplefilter("ignore")
         try:
             from torchao.quantization import Int8WeightOnlyConfig, quantize_
         except ImportError as error:
-            raise ImportError(f"int8 weights use torchao, which is not installed ({error}): "
-                              "pip install 'minimind[int8]'") from error
+            raise ImportError(
+                f"int8 weights use torchao, which is not installed ({error}): pip install 'minimind[int8]'"
+            ) from error
         quantize_(model.model.layers, Int8WeightOnlyConfig())
     return model

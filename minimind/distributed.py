@@ -55,29 +55,39 @@ def shard_for_cpu_fsdp(model, training_args):
         raise RuntimeError(
             "FSDP on CPU processes needs a transformers whose Trainer accepts models sharded at load time "
             "(5.24 does, 5.17 does not). Fix: upgrade transformers, or drop the FSDP config / --fsdp to train "
-            "with DDP.")
+            "with DDP."
+        )
     if training_args.save_strategy != "no" and not training_args.save_only_model:
         raise ValueError(
             "FSDP on CPU shards the model at load time, and transformers cannot checkpoint the optimizer of such a "
             "model (so there is no resuming). Fix: add --save_only_model (checkpoints then hold full weights only) "
-            "or --save_strategy no.")
+            "or --save_strategy no."
+        )
     from transformers import DistributedConfig
 
     world = training_args.world_size
     # The weights go through from_pretrained's sharded loading: every rank built the same seeded init (or read
     # the same checkpoint) and keeps only its shard of each tensor.
     sharded = type(model).from_pretrained(
-        None, config=model.config, state_dict=model.state_dict(), dtype=model.dtype,
-        distributed_config=DistributedConfig(fsdp_size=world))
+        None,
+        config=model.config,
+        state_dict=model.state_dict(),
+        dtype=model.dtype,
+        distributed_config=DistributedConfig(fsdp_size=world),
+    )
     sharded.generation_config = model.generation_config
     local, full = shard_counts(sharded)
     held = [None] * world
     torch.distributed.all_gather_object(held, local)
     if training_args.process_index == 0:
         # A warning, so that it shows at the default log level: the FSDP config is realised differently here.
-        logger.warning("FSDP2 over %d CPU processes (transformers' sharding; accelerate shards on GPUs only): %s of "
-                       "%s parameter elements", world,
-                       ", ".join(f"rank {rank} holds {n:,}" for rank, n in enumerate(held)), f"{full:,}")
+        logger.warning(
+            "FSDP2 over %d CPU processes (transformers' sharding; accelerate shards on GPUs only): %s of "
+            "%s parameter elements",
+            world,
+            ", ".join(f"rank {rank} holds {n:,}" for rank, n in enumerate(held)),
+            f"{full:,}",
+        )
     return sharded
 
 

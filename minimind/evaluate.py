@@ -1,8 +1,8 @@
 """Evaluate a MiniMind directory: lm-evaluation-harness tasks plus a tool-calling score, in one results table.
 
 lm-eval does the scoring (`lm_eval.simple_evaluate`, its `hf` backend given the model as `minimind.loading`
-checked and loaded it, no code from the directory), so any of its tasks runs for users who have the data. The bundled task
-`minimind_facts` needs no Hub: its YAML ships in `minimind/eval_tasks/` (registered with a `TaskManager`
+checked and loaded it, no code from the directory), so any of its tasks runs for users who have the data. The
+bundled task `minimind_facts` needs no Hub: its YAML ships in `minimind/eval_tasks/` (registered with a `TaskManager`
 `include_path`) and its data, `data/eval_facts.jsonl`, is made deterministically from the bundled preference
 pairs. The tool-calling score is ours, because lm-eval has no task that renders `tools` into a chat template:
 the share of the bundled tool-use prompts whose greedy reply parses to the right call (name and arguments).
@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 TASKS_DIR = Path(__file__).resolve().parent / "eval_tasks"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +37,7 @@ _NOT_SCORES = ("alias", "name", "sample_len", "samples")
 # The bundled fact task
 # --------------------------------------------------------------------------------------------------------------
 
+
 def facts_task_rows(dpo_path=BUNDLED_DPO):
     """The fact questions of the bundled preference pairs whose rejected answer is a wrong fact, not a refusal:
     it has the chosen answer's words with exactly one changed ("3 plus 4 is 7." / "3 plus 4 is 8."). Each
@@ -50,8 +51,9 @@ def facts_task_rows(dpo_path=BUNDLED_DPO):
         question = pair["chosen"][-2]["content"]
         right, wrong = pair["chosen"][-1]["content"], pair["rejected"][-1]["content"]
         right_words, wrong_words = right.split(), wrong.split()
-        one_word_apart = len(right_words) == len(wrong_words) and \
-            sum(a != b for a, b in zip(right_words, wrong_words)) == 1
+        one_word_apart = (
+            len(right_words) == len(wrong_words) and sum(a != b for a, b in zip(right_words, wrong_words)) == 1
+        )
         if not one_word_apart or question in seen:
             continue
         seen.add(question)
@@ -64,8 +66,7 @@ def facts_task_rows(dpo_path=BUNDLED_DPO):
 def write_facts_task(output_path=FACTS_DATA, dpo_path=BUNDLED_DPO):
     """Write the bundled task's jsonl (byte-identical on every run for the same input); returns its row count."""
     rows = facts_task_rows(dpo_path)
-    Path(output_path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows),
-                                 encoding="utf-8")
+    Path(output_path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     return len(rows)
 
 
@@ -76,18 +77,26 @@ def read_facts_task(path=FACTS_DATA):
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such task file. Fix: run `minimind-eval --write_facts_task {path}` "
-                                f"or pass metadata data_path=<jsonl with question, choices, label>.")
+        raise FileNotFoundError(
+            f"{path}: no such task file. Fix: run `minimind-eval --write_facts_task {path}` "
+            f"or pass metadata data_path=<jsonl with question, choices, label>."
+        )
     rows = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         row = json.loads(line)
-        if not (isinstance(row.get("question"), str) and isinstance(row.get("choices"), list)
-                and isinstance(row.get("label"), int) and 0 <= row["label"] < len(row["choices"])):
-            raise ValueError(f"{path}, line {number}: needs a string 'question', a list 'choices' and an integer "
-                             f"'label' indexing into it, got {sorted(row)}. Fix: regenerate the file with "
-                             f"`minimind-eval --write_facts_task`.")
+        if not (
+            isinstance(row.get("question"), str)
+            and isinstance(row.get("choices"), list)
+            and isinstance(row.get("label"), int)
+            and 0 <= row["label"] < len(row["choices"])
+        ):
+            raise ValueError(
+                f"{path}, line {number}: needs a string 'question', a list 'choices' and an integer "
+                f"'label' indexing into it, got {sorted(row)}. Fix: regenerate the file with "
+                f"`minimind-eval --write_facts_task`."
+            )
         rows.append(row)
     return Dataset.from_list(rows)
 
@@ -95,6 +104,7 @@ def read_facts_task(path=FACTS_DATA):
 # --------------------------------------------------------------------------------------------------------------
 # lm-evaluation-harness
 # --------------------------------------------------------------------------------------------------------------
+
 
 def task_manager(tasks, extra_include_paths=()):
     """lm-eval's TaskManager with the bundled task directory (and any other YAML directories) registered. lm-eval's
@@ -109,33 +119,58 @@ def task_manager(tasks, extra_include_paths=()):
     return TaskManager(include_path=include_path)
 
 
-def run_lm_eval(model_dir, tasks=(FACTS_TASK,), *, limit=None, batch_size=8, device="cpu", dtype="float32",
-                apply_chat_template=True, num_fewshot=None, log_samples=False, include_paths=(), metadata=None,
-                loaded=None):
+def run_lm_eval(
+    model_dir,
+    tasks=(FACTS_TASK,),
+    *,
+    limit=None,
+    batch_size=8,
+    device="cpu",
+    dtype="float32",
+    apply_chat_template=True,
+    num_fewshot=None,
+    log_samples=False,
+    include_paths=(),
+    metadata=None,
+    loaded=None,
+):
     """lm-eval's `simple_evaluate` on a MiniMind directory through its `hf` backend (`HFLM`), given the model
     as MiniMind's loader checks and loads it (`loaded`: an already loaded (model, tokenizer)); returns lm-eval's
     results dict (with per-sample records under "samples" when `log_samples`)."""
     try:
         import lm_eval
     except ImportError as error:
-        raise ImportError("minimind-eval needs lm-evaluation-harness. Fix: pip install 'minimind[eval]' "
-                          "(or pip install lm-eval).") from error
+        raise ImportError(
+            "minimind-eval needs lm-evaluation-harness. Fix: pip install 'minimind[eval]' (or pip install lm-eval)."
+        ) from error
     manager = task_manager(tasks, include_paths)
     unknown = [task for task in tasks if not manager.match_tasks([task])]
     if unknown:
-        raise ValueError(f"lm-eval knows no task {unknown}. Fix: use a name from `lm-eval ls tasks`, "
-                         f"{FACTS_TASK!r} (bundled), or --include_path a directory holding its YAML.")
+        raise ValueError(
+            f"lm-eval knows no task {unknown}. Fix: use a name from `lm-eval ls tasks`, "
+            f"{FACTS_TASK!r} (bundled), or --include_path a directory holding its YAML."
+        )
     from lm_eval.models.huggingface import HFLM
 
     from minimind.chat import load_model_and_tokenizer
 
     model, tokenizer = loaded or load_model_and_tokenizer(model_dir, device, dtype)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=batch_size)
-    return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), limit=limit,
-                                   batch_size=batch_size, num_fewshot=num_fewshot, task_manager=manager,
-                                   apply_chat_template=apply_chat_template, log_samples=log_samples,
-                                   metadata=metadata, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                                   fewshot_random_seed=0)
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        limit=limit,
+        batch_size=batch_size,
+        num_fewshot=num_fewshot,
+        task_manager=manager,
+        apply_chat_template=apply_chat_template,
+        log_samples=log_samples,
+        metadata=metadata,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
 
 
 def lm_eval_rows(results):
@@ -154,6 +189,7 @@ def lm_eval_rows(results):
 # --------------------------------------------------------------------------------------------------------------
 # Tool calling
 # --------------------------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ToolPrompt:
@@ -243,9 +279,14 @@ def greedy_reply(model, tokenizer, max_new_tokens=64):
     def reply(prompt):
         ids = torch.tensor([chat_prompt_ids(tokenizer, prompt.messages, prompt.tools)], device=model.device)
         with torch.no_grad():
-            output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                    do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        return tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True)
+            output = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
 
     return reply
 
@@ -254,20 +295,25 @@ def greedy_reply(model, tokenizer, max_new_tokens=64):
 # The results table
 # --------------------------------------------------------------------------------------------------------------
 
+
 def markdown_table(rows):
     lines = ["| task | metric | value | stderr |", "|---|---|---:|---:|"]
-    lines += [f"| {task} | {metric} | {value:.4f} | {'' if stderr is None else f'{stderr:.4f}'} |"
-              for task, metric, value, stderr in rows]
+    lines += [
+        f"| {task} | {metric} | {value:.4f} | {'' if stderr is None else f'{stderr:.4f}'} |"
+        for task, metric, value, stderr in rows
+    ]
     return "\n".join(lines)
 
 
 def write_results(model_dir, rows, details):
     """eval_results.json (rows and run details) and eval_results.md (the table) in the model directory."""
     model_dir = Path(model_dir)
-    records = [{"task": task, "metric": metric, "value": value, "stderr": stderr}
-               for task, metric, value, stderr in rows]
-    (model_dir / RESULTS_JSON).write_text(json.dumps({"results": records, **details}, indent=2) + "\n",
-                                          encoding="utf-8")
+    records = [
+        {"task": task, "metric": metric, "value": value, "stderr": stderr} for task, metric, value, stderr in rows
+    ]
+    (model_dir / RESULTS_JSON).write_text(
+        json.dumps({"results": records, **details}, indent=2) + "\n", encoding="utf-8"
+    )
     (model_dir / RESULTS_MARKDOWN).write_text(markdown_table(rows) + "\n", encoding="utf-8")
     return model_dir / RESULTS_JSON, model_dir / RESULTS_MARKDOWN
 
@@ -294,20 +340,35 @@ def evaluate(settings: EvalSettings, log=print):
     Returns the rows [(task, metric, value, stderr)]."""
     from minimind.chat import load_model_and_tokenizer
 
-    rows, details = [], {"model": str(settings.model_dir), "limit": settings.limit,
-                         "apply_chat_template": settings.apply_chat_template}
+    rows, details = (
+        [],
+        {
+            "model": str(settings.model_dir),
+            "limit": settings.limit,
+            "apply_chat_template": settings.apply_chat_template,
+        },
+    )
     model, tokenizer = load_model_and_tokenizer(settings.model_dir, settings.device, settings.dtype)
     if settings.tasks:
-        results = run_lm_eval(settings.model_dir, settings.tasks, limit=settings.limit, loaded=(model, tokenizer),
-                              batch_size=settings.batch_size, device=settings.device, dtype=settings.dtype,
-                              apply_chat_template=settings.apply_chat_template, num_fewshot=settings.num_fewshot,
-                              include_paths=settings.include_paths)
+        results = run_lm_eval(
+            settings.model_dir,
+            settings.tasks,
+            limit=settings.limit,
+            loaded=(model, tokenizer),
+            batch_size=settings.batch_size,
+            device=settings.device,
+            dtype=settings.dtype,
+            apply_chat_template=settings.apply_chat_template,
+            num_fewshot=settings.num_fewshot,
+            include_paths=settings.include_paths,
+        )
         rows += lm_eval_rows(results)
         details["lm_eval_version"] = results.get("lm_eval_version")
         details["n_samples"] = {task: counts.get("effective") for task, counts in results.get("n-samples", {}).items()}
     if settings.tool_calling:
-        score = tool_calling_score(tool_prompts(limit=settings.tool_limit),
-                                   greedy_reply(model, tokenizer, settings.max_new_tokens))
+        score = tool_calling_score(
+            tool_prompts(limit=settings.tool_limit), greedy_reply(model, tokenizer, settings.max_new_tokens)
+        )
         rows.append((TOOL_CALLING, "call_acc", score.score, None))
         details["tool_calling"] = {"correct": score.correct, "total": score.total}
     log(markdown_table(rows))

@@ -14,8 +14,15 @@ import torch
 
 # Files that make up a tokenizer directory (transformers 4.x and 5.x layouts); copied as bytes, not re-saved,
 # so that the shipped tokenizer_config.json keeps its `PreTrainedTokenizerFast` class for transformers 4.x.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
 GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -40,19 +47,27 @@ def load_minimind(model_name_or_path, dtype="auto"):
 
 
 def _refuse(target, field, value, why):
-    raise ValueError(f"Cannot export to {target}: {field}={value!r} {why}. The export would not give the same "
-                     f"outputs, so it is refused.")
+    raise ValueError(
+        f"Cannot export to {target}: {field}={value!r} {why}. The export would not give the same "
+        f"outputs, so it is refused."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM
 # ----------------------------------------------------------------------------------------------------------
 
+
 def check_qwen3_compatible(config):
     """Raise ValueError for settings transformers' Qwen3 / Qwen3-MoE classes cannot reproduce."""
     if not config.qk_norm:
-        _refuse("qwen3", "qk_norm", config.qk_norm, "but Qwen3 always applies RMSNorm to q and k per head "
-                "(a norm with weight 1 still normalises, so it cannot be switched off by weights)")
+        _refuse(
+            "qwen3",
+            "qk_norm",
+            config.qk_norm,
+            "but Qwen3 always applies RMSNorm to q and k per head "
+            "(a norm with weight 1 still normalises, so it cannot be switched off by weights)",
+        )
     # Qwen3-MoE uses the same layer rule (mlp_only_layers, decoder_sparse_step) and gives dense layers
     # `intermediate_size`, experts `moe_intermediate_size`, as MiniMind does: nothing else to refuse.
 
@@ -63,22 +78,39 @@ def qwen3_config(config):
 
     check_qwen3_compatible(config)
     common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=dict(config.rope_parameters), attention_bias=config.attention_bias,
-        attention_dropout=config.attention_dropout, initializer_range=config.initializer_range,
-        use_cache=config.use_cache, tie_word_embeddings=config.tie_word_embeddings,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        attention_bias=config.attention_bias,
+        attention_dropout=config.attention_dropout,
+        initializer_range=config.initializer_range,
+        use_cache=config.use_cache,
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
     )
     if not config.use_moe:
         return Qwen3Config(**common)
     return Qwen3MoeConfig(
-        **common, num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-        moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-        router_aux_loss_coef=config.router_aux_loss_coef, output_router_logits=config.output_router_logits,
-        decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers))
+        **common,
+        num_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        output_router_logits=config.output_router_logits,
+        decoder_sparse_step=config.decoder_sparse_step,
+        mlp_only_layers=list(config.mlp_only_layers),
+    )
 
 
 def _moe_layers(config):
@@ -148,20 +180,36 @@ def check_gguf_compatible(config):
     if config.use_moe:
         dense = [i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)]
         if dense:
-            _refuse(target, "mlp_only_layers/decoder_sparse_step", (config.mlp_only_layers, config.decoder_sparse_step),
-                    f"make layers {dense} dense, but llama.cpp's qwen3moe makes every layer an MoE layer")
+            _refuse(
+                target,
+                "mlp_only_layers/decoder_sparse_step",
+                (config.mlp_only_layers, config.decoder_sparse_step),
+                f"make layers {dense} dense, but llama.cpp's qwen3moe makes every layer an MoE layer",
+            )
         if not config.norm_topk_prob:
-            _refuse(target, "norm_topk_prob", config.norm_topk_prob,
-                    "but llama.cpp's qwen3moe always renormalises the top-k router weights")
+            _refuse(
+                target,
+                "norm_topk_prob",
+                config.norm_topk_prob,
+                "but llama.cpp's qwen3moe always renormalises the top-k router weights",
+            )
     rope = config.rope_parameters
     if rope["rope_type"] not in ("default", "linear", "yarn"):
-        _refuse(target, "rope_parameters", {"rope_type": rope["rope_type"]},
-                "has no GGUF key: llama.cpp's qwen3 knows plain, linear and YaRN RoPE and would run plain RoPE")
+        _refuse(
+            target,
+            "rope_parameters",
+            {"rope_type": rope["rope_type"]},
+            "has no GGUF key: llama.cpp's qwen3 knows plain, linear and YaRN RoPE and would run plain RoPE",
+        )
     if rope["rope_type"] == "yarn":
         custom = [key for key in _YARN_KEYS_LLAMA_CPP_COMPUTES if rope.get(key) is not None]
         if custom or rope.get("truncate", True) is False:
-            _refuse(target, "rope_parameters", {k: rope.get(k) for k in custom + ["truncate"]},
-                    "sets YaRN details that GGUF has no key for (llama.cpp derives the attention factor itself)")
+            _refuse(
+                target,
+                "rope_parameters",
+                {k: rope.get(k) for k in custom + ["truncate"]},
+                "sets YaRN details that GGUF has no key for (llama.cpp derives the attention factor itself)",
+            )
 
 
 def check_qwen2_pretokenizer(tokenizer_json):
@@ -171,14 +219,21 @@ def check_qwen2_pretokenizer(tokenizer_json):
 
     pre = tokenizer_json.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", [pre])
-    ok = (tokenizer_json["model"].get("type") == "BPE" and len(steps) == 2
-          and steps[0].get("type") == "Split" and steps[0].get("pattern", {}).get("Regex") == QWEN2_PRETOKENIZE_REGEX
-          and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True)
-          and tokenizer_json.get("normalizer") is None)
+    ok = (
+        tokenizer_json["model"].get("type") == "BPE"
+        and len(steps) == 2
+        and steps[0].get("type") == "Split"
+        and steps[0].get("pattern", {}).get("Regex") == QWEN2_PRETOKENIZE_REGEX
+        and steps[1].get("type") == "ByteLevel"
+        and not steps[1].get("use_regex", True)
+        and tokenizer_json.get("normalizer") is None
+    )
     if not ok:
-        raise ValueError("Cannot export the tokenizer to GGUF: it is not a byte-level BPE with the Qwen2 split "
-                         "regex and no normaliser, so llama.cpp's 'qwen2' pre-tokenizer would split text "
-                         "differently. Use the tokenizer trained by minimind.tokenizer.")
+        raise ValueError(
+            "Cannot export the tokenizer to GGUF: it is not a byte-level BPE with the Qwen2 split "
+            "regex and no normaliser, so llama.cpp's 'qwen2' pre-tokenizer would split text "
+            "differently. Use the tokenizer trained by minimind.tokenizer."
+        )
 
 
 def _gguf_token_table(tokenizer_dir, vocab_size):
@@ -192,8 +247,10 @@ def _gguf_token_table(tokenizer_dir, vocab_size):
     added = {entry["id"]: entry for entry in tokenizer_json.get("added_tokens", [])}
     by_id.update({index: entry["content"] for index, entry in added.items()})
     if max(by_id) >= vocab_size:
-        raise ValueError(f"The tokenizer has ids up to {max(by_id)} but the model has only vocab_size={vocab_size} "
-                         f"embedding rows. Fix: resize_token_embeddings() before exporting.")
+        raise ValueError(
+            f"The tokenizer has ids up to {max(by_id)} but the model has only vocab_size={vocab_size} "
+            f"embedding rows. Fix: resize_token_embeddings() before exporting."
+        )
     tokens, types = [], []
     for index in range(vocab_size):
         if index not in by_id:
@@ -283,8 +340,12 @@ def _file_type(name):
     return getattr(gguf.LlamaFileType, name)
 
 
-GGUF_FILE_TYPES = {"f32": lambda: _file_type("ALL_F32"), "f16": lambda: _file_type("MOSTLY_F16"),
-                   "bf16": lambda: _file_type("MOSTLY_BF16"), "q8_0": lambda: _file_type("MOSTLY_Q8_0")}
+GGUF_FILE_TYPES = {
+    "f32": lambda: _file_type("ALL_F32"),
+    "f16": lambda: _file_type("MOSTLY_F16"),
+    "bf16": lambda: _file_type("MOSTLY_BF16"),
+    "q8_0": lambda: _file_type("MOSTLY_Q8_0"),
+}
 
 
 def _add_matrix(writer, name, array, outtype):
@@ -317,8 +378,10 @@ def export_gguf(model_name_or_path, output_file, tokenizer_name_or_path=None, ou
     check_gguf_compatible(config)
     tokenizer_dir = Path(tokenizer_name_or_path or model_name_or_path)
     if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise ValueError(f"No tokenizer.json in {tokenizer_dir}: a GGUF file must carry its tokenizer. "
-                         f"Fix: pass the tokenizer directory (e.g. tokenizer/).")
+        raise ValueError(
+            f"No tokenizer.json in {tokenizer_dir}: a GGUF file must carry its tokenizer. "
+            f"Fix: pass the tokenizer directory (e.g. tokenizer/)."
+        )
 
     arch = gguf.MODEL_ARCH.QWEN3MOE if config.use_moe else gguf.MODEL_ARCH.QWEN3
     output_file = Path(output_file)

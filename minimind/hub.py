@@ -14,18 +14,48 @@ from minimind.export import TOKENIZER_FILES
 
 DEFAULT_LICENSE = "apache-2.0"
 # eval_results.* only where minimind-eval wrote them: its table also goes into the card.
-_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json", "eval_results.json",
-                "eval_results.md")
+_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "eval_results.json",
+    "eval_results.md",
+)
 # Shown in the card's configuration table, in this order.
-_CARD_CONFIG_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_theta", "qk_norm",
-                       "tie_word_embeddings", "use_moe")
-_CARD_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
-                    "mlp_only_layers")
+_CARD_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rope_theta",
+    "qk_norm",
+    "tie_word_embeddings",
+    "use_moe",
+)
+_CARD_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
 # Training facts read from the files transformers' Trainer leaves in its output directory.
 _TRAINER_STATE_FIELDS = ("global_step", "epoch", "max_steps", "num_train_epochs", "train_batch_size")
-_TRAINING_ARGS_FIELDS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps",
-                         "lr_scheduler_type", "warmup_ratio", "weight_decay", "bf16", "fp16", "seed")
+_TRAINING_ARGS_FIELDS = (
+    "learning_rate",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "warmup_ratio",
+    "weight_decay",
+    "bf16",
+    "fp16",
+    "seed",
+)
 
 
 def _read_json(path):
@@ -35,6 +65,7 @@ def _read_json(path):
 # ----------------------------------------------------------------------------------------------------------
 # What gets uploaded
 # ----------------------------------------------------------------------------------------------------------
+
 
 def files_to_upload(model_dir, tokenizer_dir=None):
     """{path in repo: local path} for a publishable model directory; an InputError listing every problem."""
@@ -60,16 +91,23 @@ def files_to_upload(model_dir, tokenizer_dir=None):
             if module_file not in files:
                 problems.append(f"auto_map names {reference!r} but {module_file} is not in {model_dir}")
     if not any(name.endswith(".safetensors") for name in files):
-        problems.append(f"no *.safetensors weights in {model_dir} (pytorch_model.bin is not published; re-save "
-                        f"with save_pretrained, which writes safetensors)")
+        problems.append(
+            f"no *.safetensors weights in {model_dir} (pytorch_model.bin is not published; re-save "
+            f"with save_pretrained, which writes safetensors)"
+        )
     if "generation_config.json" not in files:
         problems.append("no generation_config.json (save_pretrained of the model writes it)")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if name not in files:
-            problems.append(f"no {name} in {tokenizer_dir} (pass --tokenizer_name_or_path tokenizer/ or save the "
-                            f"tokenizer into the model directory)")
-    if "tokenizer_config.json" in files and "chat_template.jinja" not in files and \
-            not _read_json(files["tokenizer_config.json"]).get("chat_template"):
+            problems.append(
+                f"no {name} in {tokenizer_dir} (pass --tokenizer_name_or_path tokenizer/ or save the "
+                f"tokenizer into the model directory)"
+            )
+    if (
+        "tokenizer_config.json" in files
+        and "chat_template.jinja" not in files
+        and not _read_json(files["tokenizer_config.json"]).get("chat_template")
+    ):
         problems.append("the tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
     if problems:
         raise InputError("Cannot publish " + str(model_dir) + ":\n- " + "\n- ".join(problems))
@@ -79,6 +117,7 @@ def files_to_upload(model_dir, tokenizer_dir=None):
 # ----------------------------------------------------------------------------------------------------------
 # Model card
 # ----------------------------------------------------------------------------------------------------------
+
 
 def count_parameters(model_dir):
     """Parameters stored in the safetensors files, read from their headers (tied weights are stored once)."""
@@ -118,8 +157,10 @@ def describe_training(model_dir):
         args = _read_json(model_dir / "training_args.json")
         rows += [(key, args[key]) for key in _TRAINING_ARGS_FIELDS if args.get(key) is not None]
     if not rows:
-        return ("Unknown: the published directory has no `trainer_state.json` or `training_args.json` "
-                "recording how it was trained.")
+        return (
+            "Unknown: the published directory has no `trainer_state.json` or `training_args.json` "
+            "recording how it was trained."
+        )
     return "Trained with the transformers `Trainer`:\n\n" + _markdown_table(rows)
 
 
@@ -130,9 +171,11 @@ def describe_evaluation(model_dir):
     path = Path(model_dir) / RESULTS_MARKDOWN
     if not path.is_file():
         return None
-    return ("Measured with `minimind-eval` (lm-evaluation-harness tasks; `tool_calling` is the share of the "
-            "bundled tool-use prompts whose greedy reply makes the right call):\n\n"
-            + path.read_text(encoding="utf-8").strip())
+    return (
+        "Measured with `minimind-eval` (lm-evaluation-harness tasks; `tool_calling` is the share of the "
+        "bundled tool-use prompts whose greedy reply makes the right call):\n\n"
+        + path.read_text(encoding="utf-8").strip()
+    )
 
 
 def card_eval_results(model_dir):
@@ -145,9 +188,16 @@ def card_eval_results(model_dir):
     path = Path(model_dir) / RESULTS_JSON
     if not path.is_file():
         return []
-    return [EvalResult(task_type="text-generation", dataset_type=row["task"], dataset_name=row["task"],
-                       metric_type=row["metric"], metric_value=row["value"])
-            for row in _read_json(path)["results"]]
+    return [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=row["task"],
+            dataset_name=row["task"],
+            metric_type=row["metric"],
+            metric_value=row["value"],
+        )
+        for row in _read_json(path)["results"]
+    ]
 
 
 def _usage_snippet(repo_id):
@@ -175,9 +225,14 @@ def build_model_card(model_dir, repo_id, license=DEFAULT_LICENSE):
     config = _read_json(Path(model_dir) / "config.json")
     tags = ["minimind", "qwen3", "custom_code", "text-generation"] + (["moe"] if config.get("use_moe") else [])
     eval_results = card_eval_results(model_dir)
-    metadata = ModelCardData(library_name="transformers", pipeline_tag="text-generation", license=license,
-                             tags=tags, eval_results=eval_results or None,
-                             model_name=repo_id.split("/")[-1] if eval_results else None)
+    metadata = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=tags,
+        eval_results=eval_results or None,
+        model_name=repo_id.split("/")[-1] if eval_results else None,
+    )
     fields = _CARD_CONFIG_FIELDS + (_CARD_MOE_FIELDS if config.get("use_moe") else ())
     rows = [(key, config[key]) for key in fields if key in config]
     rope = config.get("rope_parameters") or {}
@@ -214,6 +269,7 @@ A MiniMind model: a small decoder-only language model of the Llama/Qwen3 family
 # Upload
 # ----------------------------------------------------------------------------------------------------------
 
+
 def upload_plan(model_dir, repo_id, tokenizer_dir=None, license=DEFAULT_LICENSE) -> dict[str, bytes | Path]:
     """{path in repo: local file, or the model card's bytes for README.md}: what a push would upload."""
     files = dict(files_to_upload(model_dir, tokenizer_dir))
@@ -223,27 +279,40 @@ def upload_plan(model_dir, repo_id, tokenizer_dir=None, license=DEFAULT_LICENSE)
 
 def describe_plan(plan: dict[str, bytes | Path]) -> list[str]:
     """One line per file of an upload plan: its path in the repository and its size."""
-    sizes = {name: len(source) if isinstance(source, bytes) else source.stat().st_size for name, source in plan.items()}
+    sizes = {
+        name: len(source) if isinstance(source, bytes) else source.stat().st_size for name, source in plan.items()
+    }
     width = max(map(len, plan))
     return [f"  {name:<{width}}  {sizes[name]:>12,} bytes" for name in plan] + [
-        f"  {len(plan)} files, {sum(sizes.values()):,} bytes"]
+        f"  {len(plan)} files, {sum(sizes.values()):,} bytes"
+    ]
 
 
-def push_model_dir(model_dir, repo_id, tokenizer_dir=None, private=None, token=None, license=DEFAULT_LICENSE,
-                   commit_message="Upload MiniMind model"):
+def push_model_dir(
+    model_dir,
+    repo_id,
+    tokenizer_dir=None,
+    private=None,
+    token=None,
+    license=DEFAULT_LICENSE,
+    commit_message="Upload MiniMind model",
+):
     """Create (or reuse) `repo_id` and upload the model directory plus its card in one commit. A Hub that cannot
     be reached (offline, refused, no rights) is an InputError in one line; nothing is uploaded then."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
     plan = upload_plan(model_dir, repo_id, tokenizer_dir, license=license)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=source if isinstance(source, bytes)
-                                     else str(source)) for name, source in plan.items()]
+    operations = [
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=source if isinstance(source, bytes) else str(source))
+        for name, source in plan.items()
+    ]
     api = HfApi()
     try:
         repo = api.create_repo(repo_id, private=private, token=token, exist_ok=True)
         return api.create_commit(repo.repo_id, operations, commit_message=commit_message, token=token)
     except Exception as error:  # the network's and the Hub's errors alike: the user's fix is the same
         cause = type(error).__name__ + (f": {str(error).strip().splitlines()[0]}" if str(error).strip() else "")
-        raise InputError(f"could not publish to {repo_id} on the Hub ({cause}). Fix: check the network, "
-                         "HF_HUB_OFFLINE and your token (hf auth login); --dry_run shows what would be uploaded") \
-            from None
+        raise InputError(
+            f"could not publish to {repo_id} on the Hub ({cause}). Fix: check the network, "
+            "HF_HUB_OFFLINE and your token (hf auth login); --dry_run shows what would be uploaded"
+        ) from None

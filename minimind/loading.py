@@ -36,8 +36,9 @@ def model_directory(name_or_path: str | Path, *, hub: bool = True) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise InputError(f"{text} is a file, not a model directory: pass the directory that holds config.json and "
-                         "the weights")
+        raise InputError(
+            f"{text} is a file, not a model directory: pass the directory that holds config.json and the weights"
+        )
     # A first component that is a local directory (runs/sft with runs/ present) means a local path, mistyped.
     if not hub or not _REPO_ID.match(text) or Path(text.split("/")[0]).is_dir():
         raise InputError(f"no such directory: {text}")
@@ -51,8 +52,11 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=offline))
     except Exception as error:  # network, missing repository, gated, not cached: all end the command alike
-        reason = ("the Hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache" if offline
-                  else f"the Hub could not provide it as a repository id ({type(error).__name__})")
+        reason = (
+            "the Hub is offline (HF_HUB_OFFLINE=1) and it is not in the local cache"
+            if offline
+            else f"the Hub could not provide it as a repository id ({type(error).__name__})"
+        )
         raise InputError(f"no such directory: {repo_id}; {reason}") from None
 
 
@@ -65,11 +69,15 @@ def read_config_json(directory: Path) -> dict:
     try:
         settings = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise InputError(f"{config_file} is not valid JSON ({type(error).__name__}): the checkpoint is damaged; "
-                         "restore config.json from the run that wrote it") from None
+        raise InputError(
+            f"{config_file} is not valid JSON ({type(error).__name__}): the checkpoint is damaged; "
+            "restore config.json from the run that wrote it"
+        ) from None
     if not isinstance(settings, dict):
-        raise InputError(f"{config_file} holds a JSON {type(settings).__name__}, not an object: the checkpoint is "
-                         "damaged; restore config.json from the run that wrote it")
+        raise InputError(
+            f"{config_file} holds a JSON {type(settings).__name__}, not an object: the checkpoint is "
+            "damaged; restore config.json from the run that wrote it"
+        )
     return settings
 
 
@@ -78,7 +86,8 @@ def _not_minimind(directory: Path, settings: dict, also: str = "") -> NotMiniMin
     return NotMiniMindError(
         f"{directory} is not a MiniMind checkpoint: its config.json says model_type {settings.get('model_type')!r}, "
         f"not {MODEL_TYPE!r}{also}{code}. Fix: pass a directory written by MiniMind, or import other checkpoints "
-        "with minimind-convert")
+        "with minimind-convert"
+    )
 
 
 def read_minimind_config(directory: Path) -> MiniMindConfig:
@@ -100,13 +109,17 @@ def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise InputError(f"{directory} holds no weights (*.safetensors): copy the weights saved with its config.json "
-                         "(a .pth file from the reference project imports with minimind-convert)")
+        raise InputError(
+            f"{directory} holds no weights (*.safetensors): copy the weights saved with its config.json "
+            "(a .pth file from the reference project imports with minimind-convert)"
+        )
     shapes = {}
     for path in files:
         if problem := safetensors_problem(path):
-            raise InputError(f"{path} ({problem}): the safetensors file is incomplete or damaged. Fix: copy or "
-                             "download it again; a checkpoint killed mid-save is not loadable, take an earlier one.")
+            raise InputError(
+                f"{path} ({problem}): the safetensors file is incomplete or damaged. Fix: copy or "
+                "download it again; a checkpoint killed mid-save is not loadable, take an earlier one."
+            )
         with safe_open(str(path), framework="pt") as weights:
             shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
     return shapes
@@ -125,8 +138,11 @@ def _tied_copy_differs(directory: Path, tied: dict[str, str]) -> list[str]:
         with safe_open(str(stored[name]), framework="pt") as weights:
             return weights.get_tensor(name)
 
-    return [name for name, source in tied.items()
-            if name in stored and source in stored and not torch.equal(tensor(name), tensor(source))]
+    return [
+        name
+        for name, source in tied.items()
+        if name in stored and source in stored and not torch.equal(tensor(name), tensor(source))
+    ]
 
 
 def weight_mismatches(directory: Path, config: MiniMindConfig) -> list[str]:
@@ -151,12 +167,17 @@ def weight_mismatches(directory: Path, config: MiniMindConfig) -> list[str]:
         problems.append(f"missing {listed(missing)}")
     if unexpected := [name for name in found if name not in expected]:
         problems.append(f"unexpected {listed(unexpected)}")
-    if misshaped := [f"{name} (weights {list(found[name])}, config {list(shape)})"
-                     for name, shape in expected.items() if name in found and found[name] != shape]:
+    if misshaped := [
+        f"{name} (weights {list(found[name])}, config {list(shape)})"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]:
         problems.append(f"mis-shaped {listed(misshaped)}")
     if not problems and (untied := _tied_copy_differs(directory, tied)):
-        problems.append(f"config.json ties {listed(untied)} to the embeddings but the weights hold a different "
-                        "tensor (tie_word_embeddings should be false)")
+        problems.append(
+            f"config.json ties {listed(untied)} to the embeddings but the weights hold a different "
+            "tensor (tie_word_embeddings should be false)"
+        )
     return problems
 
 
@@ -167,9 +188,11 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, 
     directory = model_directory(name_or_path, hub=hub)
     config = read_minimind_config(directory)
     if problems := weight_mismatches(directory, config):
-        raise InputError(f"{directory}: config.json does not match the weights ({'; '.join(problems)}). Fix: "
-                         "restore the config.json saved with these weights; a model loaded this way would be "
-                         "partly random")
+        raise InputError(
+            f"{directory}: config.json does not match the weights ({'; '.join(problems)}). Fix: "
+            "restore the config.json saved with these weights; a model loaded this way would be "
+            "partly random"
+        )
     return MiniMindForCausalLM.from_pretrained(directory, config=config, dtype=dtype).eval()
 
 

@@ -33,6 +33,7 @@ _GIVEN_ANSWER = re.compile(r" is ([^\n.!?]+)[.!?]?\s*$")
 # Prompts
 # --------------------------------------------------------------------------------------------------------------
 
+
 def reference_answer(reply: str) -> str | None:
     """The <answer> of a reply in the bundled form "<subject> is <answer>.", or None for any other reply."""
     if not re.fullmatch(ANSWER_FORM, reply.strip()):
@@ -67,16 +68,23 @@ def question_dataset(path, skip_bad_lines=False, question_pattern=None):
             if answer is not None and (question_pattern is None or re.search(question_pattern, asked["content"])):
                 questions.setdefault(asked["content"], answer)
     if not questions:
-        raise DataFormatError(f"{path}: no question{' matching ' + repr(question_pattern) if question_pattern else ''}"
-                              f" has a reply of the form '<subject> is <answer>.'. Fix: use a chat file like "
-                              f"data/sft.jsonl, whose fact answers have that form.")
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": question}], "answer": answer}
-                              for question, answer in questions.items()])
+        raise DataFormatError(
+            f"{path}: no question{' matching ' + repr(question_pattern) if question_pattern else ''}"
+            f" has a reply of the form '<subject> is <answer>.'. Fix: use a chat file like "
+            f"data/sft.jsonl, whose fact answers have that form."
+        )
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": question}], "answer": answer}
+            for question, answer in questions.items()
+        ]
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Rewards (TRL's signature; dataset columns such as `answer` arrive as keyword lists)
 # --------------------------------------------------------------------------------------------------------------
+
 
 def completion_text(completion) -> str:
     """The text of one completion: TRL passes a string, or for conversational prompts a list of messages."""
@@ -87,15 +95,16 @@ def completion_text(completion) -> str:
 
 def correct_answer(completions, answer, **kwargs):
     """1.0 where the completion's given answer (see `given_answer`) is the reference answer, else 0.0."""
-    return [float(given_answer(completion_text(c)) == expected.lower())
-            for c, expected in zip(completions, answer, strict=True)]
+    return [
+        float(given_answer(completion_text(c)) == expected.lower())
+        for c, expected in zip(completions, answer, strict=True)
+    ]
 
 
 def format_followed(completions, pattern=ANSWER_FORM, **kwargs):
     """1.0 where the whole completion (surrounding whitespace aside) matches `pattern`, else 0.0. The default is
     the bundled answer form, one sentence "<subject> is <answer>."."""
-    return [float(re.fullmatch(pattern, completion_text(c).strip(), flags=re.DOTALL) is not None)
-            for c in completions]
+    return [float(re.fullmatch(pattern, completion_text(c).strip(), flags=re.DOTALL) is not None) for c in completions]
 
 
 def length_penalty(completions, completion_ids, max_tokens=32, **kwargs):
@@ -110,7 +119,7 @@ def repetition_penalty(completions, ngram=3, **kwargs):
     scores = []
     for c in completions:
         words = completion_text(c).lower().split()
-        grams = [tuple(words[i:i + ngram]) for i in range(len(words) - ngram + 1)]
+        grams = [tuple(words[i : i + ngram]) for i in range(len(words) - ngram + 1)]
         scores.append(-(1 - len(set(grams)) / len(grams)) if grams else 0.0)
     return scores
 
@@ -131,22 +140,32 @@ def load_reward_function(spec: str):
 class RewardArguments:
     """Which questions GRPO asks, and which rewards it maximises, each with its weight (0 leaves a term out)."""
 
-    question_pattern: str | None = field(default=None, metadata={
-        "help": "Regular expression: ask only the questions it matches, e.g. 'capital|colour'."})
+    question_pattern: str | None = field(
+        default=None,
+        metadata={"help": "Regular expression: ask only the questions it matches, e.g. 'capital|colour'."},
+    )
 
     correct_weight: float = field(default=1.0, metadata={"help": "Answer correct (1 or 0)."})
     format_weight: float = field(default=0.5, metadata={"help": "Format followed (1 or 0)."})
-    format_pattern: str = field(default=ANSWER_FORM, metadata={
-        "help": "Regular expression a whole completion must match for the format reward."})
+    format_pattern: str = field(
+        default=ANSWER_FORM,
+        metadata={"help": "Regular expression a whole completion must match for the format reward."},
+    )
     length_weight: float = field(default=0.0, metadata={"help": "Length penalty (0 to -1)."})
     length_max_tokens: int = field(default=32, metadata={"help": "Completion tokens before the length penalty."})
     repetition_weight: float = field(default=0.0, metadata={"help": "Repeated word n-gram penalty (0 to -1)."})
     repetition_ngram: int = 3
-    reward: list[str] = field(default_factory=list, metadata={
-        "help": "module:function (one or more): rewards with TRL's reward-function signature."})
+    reward: list[str] = field(
+        default_factory=list,
+        metadata={"help": "module:function (one or more): rewards with TRL's reward-function signature."},
+    )
     reward_weight: float = field(default=1.0, metadata={"help": "Weight of each --reward function."})
-    reward_model: str | None = field(default=None, metadata={
-        "help": "Directory of a sequence-classification model (num_labels=1) that scores prompt + completion."})
+    reward_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of a sequence-classification model (num_labels=1) that scores prompt + completion."
+        },
+    )
     reward_model_weight: float = 1.0
 
 
@@ -170,6 +189,7 @@ def reward_functions(reward_args):
 # --------------------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------------------
+
 
 def reward_curve(log_history):
     """[(step, mean reward)] from the trainer's log history."""
@@ -208,24 +228,35 @@ def run_grpo(model_args, data_args, reward_args, training_args):
     from minimind.training import build_model, load_tokenizer, setup_run, train_and_save
 
     if training_args.reward_weights is not None:
-        raise ValueError("--reward_weights is set by the per-reward flags. Fix: use --correct_weight, --format_weight, "
-                         "--length_weight, --repetition_weight, --reward_weight, --reward_model_weight.")
+        raise ValueError(
+            "--reward_weights is set by the per-reward flags. Fix: use --correct_weight, --format_weight, "
+            "--length_weight, --repetition_weight, --reward_weight, --reward_model_weight."
+        )
     if training_args.beta != 0 and not model_args.model_name_or_path:
         # TRL builds the KL reference by reloading the policy from its path, which a new model does not have.
-        raise ValueError("--beta needs a reference model, which TRL loads from --model_name_or_path. Fix: start "
-                         "from a saved model directory, or keep --beta 0 (TRL's default).")
+        raise ValueError(
+            "--beta needs a reference model, which TRL loads from --model_name_or_path. Fix: start "
+            "from a saved model directory, or keep --beta 0 (TRL's default)."
+        )
     setup_run(training_args)
     tokenizer = load_tokenizer(model_args)
     questions = question_dataset(data_args.data_path, data_args.skip_bad_lines, reward_args.question_pattern)
     train_dataset, eval_dataset = split_train_eval(questions, data_args.eval_fraction, training_args.seed)
-    logger.info("grpo: %d train / %d eval questions", len(train_dataset),
-                len(eval_dataset) if eval_dataset is not None else 0)
+    logger.info(
+        "grpo: %d train / %d eval questions", len(train_dataset), len(eval_dataset) if eval_dataset is not None else 0
+    )
     functions, training_args.reward_weights = reward_functions(reward_args)
     model = build_model(model_args, tokenizer)
     if eval_dataset is None:
         training_args.eval_strategy = "no"
-    trainer = grpo_trainer_class()(model=model, reward_funcs=functions, args=training_args,
-                                   train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer)
+    trainer = grpo_trainer_class()(
+        model=model,
+        reward_funcs=functions,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
     trainer, metrics = train_and_save(trainer, training_args)
     if trainer.args.should_save:
         write_reward_curve(trainer.state.log_history, training_args.output_dir)

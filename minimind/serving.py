@@ -26,10 +26,11 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Literal
+from typing import Literal
 
 import torch
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -39,9 +40,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import GenerationConfig, TextStreamer
 
+from minimind.chat import (
+    DEFAULT_MAX_NEW_TOKENS,
+    THINK_CLOSE,
+    THINK_OPEN,
+    SamplingParams,
+    StopStringCutter,
+    chat_prompt_ids,
+    reply_room,
+    split_reasoning,
+)
 from minimind.decode import RowCache, RowDecoder, choose_tokens, sampling_warpers
-from minimind.chat import (DEFAULT_MAX_NEW_TOKENS, THINK_CLOSE, THINK_OPEN, SamplingParams, StopStringCutter,
-                           chat_prompt_ids, reply_room, split_reasoning)
 from minimind.tokenizer import render_conversation
 
 DEFAULT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS
@@ -52,6 +61,7 @@ DEFAULT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS
 # flags are strict: pydantic's lax mode reads `true` as 1, 2.0 as 2 and "yes" as true, so a client's type mistake
 # would silently become another request. Floats still take integers, which JSON writers emit for whole numbers.
 # ----------------------------------------------------------------------------------------------------------
+
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -106,11 +116,19 @@ class CompletionRequest(_Sampling):
 # Errors
 # ----------------------------------------------------------------------------------------------------------
 
+
 class APIError(Exception):
     """An error reported in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers
@@ -128,20 +146,32 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, "The request body is not valid JSON.", code="invalid_json")
     param = ".".join(location) or None
-    return APIError(400, f"Invalid value for '{param}': {first.get('msg')}" if param else first.get("msg"),
-                    param=param, code="invalid_value")
+    return APIError(
+        400,
+        f"Invalid value for '{param}': {first.get('msg')}" if param else first.get("msg"),
+        param=param,
+        code="invalid_value",
+    )
 
 
 def _timed_out(seconds: float) -> APIError:
     # 504, not 408: OpenAI's client retries a 408 at once, which would only time out again.
-    return APIError(504, f"The request did not finish within the server's request timeout of {seconds:g} s; its "
-                         "generation was stopped. Ask for fewer tokens (max_tokens) or raise --request_timeout.",
-                    type="timeout_error", code="request_timeout")
+    return APIError(
+        504,
+        f"The request did not finish within the server's request timeout of {seconds:g} s; its "
+        "generation was stopped. Ask for fewer tokens (max_tokens) or raise --request_timeout.",
+        type="timeout_error",
+        code="request_timeout",
+    )
 
 
 def _request_too_large(limit: int) -> APIError:
-    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes "
-                         "(--max_request_bytes). Send a shorter prompt.", code="request_too_large")
+    return APIError(
+        413,
+        f"The request body is larger than this server's limit of {limit} bytes "
+        "(--max_request_bytes). Send a shorter prompt.",
+        code="request_too_large",
+    )
 
 
 def _texts(value, path: str):
@@ -165,10 +195,14 @@ def check_unicode(request: BaseModel) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:
-            raise APIError(400, f"Invalid value for '{path}': the text is not valid Unicode (a lone surrogate, "
-                                f"U+{ord(text[error.start]):04X}, at character {error.start}). Surrogate escapes "
-                                "(\\ud800-\\udfff) must come in high-low pairs.", param=path,
-                           code="invalid_value") from None
+            raise APIError(
+                400,
+                f"Invalid value for '{path}': the text is not valid Unicode (a lone surrogate, "
+                f"U+{ord(text[error.start]):04X}, at character {error.start}). Surrogate escapes "
+                "(\\ud800-\\udfff) must come in high-low pairs.",
+                param=path,
+                code="invalid_value",
+            ) from None
 
 
 class BodyLimit:
@@ -209,6 +243,7 @@ class BodyLimit:
 
 def _replay(messages: list[dict], receive):
     """A `receive` that returns `messages` first, then what the client sends next (its disconnect)."""
+
     async def replayed():
         return messages.pop(0) if messages else await receive()
 
@@ -220,8 +255,7 @@ def _body_parse_error(exc: StarletteHTTPException) -> APIError | None:
     the decoder recurses, or bytes that are not UTF-8."""
     cause = exc.__cause__
     if isinstance(cause, RecursionError):
-        return APIError(400, "The request body is not valid JSON here: it is nested too deeply.",
-                        code="invalid_json")
+        return APIError(400, "The request body is not valid JSON here: it is nested too deeply.", code="invalid_json")
     if isinstance(cause, UnicodeDecodeError):
         return APIError(400, "The request body is not valid JSON: it is not UTF-8 text.", code="invalid_json")
     return None
@@ -231,56 +265,78 @@ def _body_parse_error(exc: StarletteHTTPException) -> APIError | None:
 # Limits and admission
 # ----------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class ServerLimits:
     """What one request may ask for, and how much the server takes on at once (the `minimind-serve` flags)."""
 
-    max_context: int | None = None          # prompt + completion; default: the model's max_position_embeddings
+    max_context: int | None = None  # prompt + completion; default: the model's max_position_embeddings
     default_max_tokens: int = DEFAULT_MAX_TOKENS
-    max_tokens: int = 4096                  # most completion tokens a request may ask for (per choice)
-    max_n: int = 8                          # most choices per request
-    max_prompt_tokens: int | None = None    # default: max_context - 1
-    max_concurrent_requests: int = 64       # more get 429 with Retry-After
-    request_timeout: float = 600.0          # seconds; a request still generating then is cancelled
-    kv_cache_tokens: int | None = None      # the KV cache's size; default: see `check`
-    max_batch: int = 8                      # sequences one compiled step decodes together (`--engine compiled`)
-    max_request_bytes: int = 1 << 20        # a larger request body gets 413 before it is parsed
+    max_tokens: int = 4096  # most completion tokens a request may ask for (per choice)
+    max_n: int = 8  # most choices per request
+    max_prompt_tokens: int | None = None  # default: max_context - 1
+    max_concurrent_requests: int = 64  # more get 429 with Retry-After
+    request_timeout: float = 600.0  # seconds; a request still generating then is cancelled
+    kv_cache_tokens: int | None = None  # the KV cache's size; default: see `check`
+    max_batch: int = 8  # sequences one compiled step decodes together (`--engine compiled`)
+    max_request_bytes: int = 1 << 20  # a larger request body gets 413 before it is parsed
 
     # The default cache: enough for every admitted request at full context, but no more than this many tokens
     # (about 0.5 GB for the 64M default model) unless two contexts need more.
     DEFAULT_KV_CACHE_TOKENS = 65536
 
-    def check(self, context_limit: int) -> "ServerLimits":
+    def check(self, context_limit: int) -> ServerLimits:
         """These limits with defaults filled in from the model's context; ValueError naming the flag if bad."""
         context = self.max_context or context_limit
         if not 1 < context <= context_limit:
-            raise ValueError(f"max_context must be in [2, {context_limit}] (the model's max_position_embeddings), "
-                             f"got {self.max_context}")
+            raise ValueError(
+                f"max_context must be in [2, {context_limit}] (the model's max_position_embeddings), "
+                f"got {self.max_context}"
+            )
         prompt = self.max_prompt_tokens or context - 1
-        for name, value, low in (("default_max_tokens", self.default_max_tokens, 1), ("max_tokens", self.max_tokens, 1),
-                                 ("max_n", self.max_n, 1), ("max_concurrent_requests", self.max_concurrent_requests, 1),
-                                 ("max_batch", self.max_batch, 1), ("max_request_bytes", self.max_request_bytes, 1),
-                                 ("max_prompt_tokens", prompt, 1)):
+        for name, value, low in (
+            ("default_max_tokens", self.default_max_tokens, 1),
+            ("max_tokens", self.max_tokens, 1),
+            ("max_n", self.max_n, 1),
+            ("max_concurrent_requests", self.max_concurrent_requests, 1),
+            ("max_batch", self.max_batch, 1),
+            ("max_request_bytes", self.max_request_bytes, 1),
+            ("max_prompt_tokens", prompt, 1),
+        ):
             if value < low:
                 raise ValueError(f"{name} must be at least {low}, got {value}")
         if prompt >= context:
-            raise ValueError(f"max_prompt_tokens ({prompt}) must be below max_context ({context}), leaving room "
-                             "for a completion")
+            raise ValueError(
+                f"max_prompt_tokens ({prompt}) must be below max_context ({context}), leaving room for a completion"
+            )
         if self.default_max_tokens > self.max_tokens:
-            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens "
-                             f"({self.max_tokens})")
+            raise ValueError(
+                f"default_max_tokens ({self.default_max_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be positive seconds, got {self.request_timeout}")
         # Two contexts at least: one sequence of the whole context plus the spare the batching engine needs to
         # keep scheduling while other sequences hold pages. Sequences that do not fit wait for pages.
-        cache = self.kv_cache_tokens or max(2 * context, min((self.max_concurrent_requests + 1) * context,
-                                                             self.DEFAULT_KV_CACHE_TOKENS))
+        cache = self.kv_cache_tokens or max(
+            2 * context, min((self.max_concurrent_requests + 1) * context, self.DEFAULT_KV_CACHE_TOKENS)
+        )
         if cache < 2 * context:
-            raise ValueError(f"kv_cache_tokens ({cache}) must hold two full contexts (2 x max_context = "
-                             f"{2 * context}). Fix: raise --kv_cache_tokens or lower --max_context")
-        return ServerLimits(context, self.default_max_tokens, self.max_tokens, self.max_n, prompt,
-                            self.max_concurrent_requests, self.request_timeout, cache, self.max_batch,
-                            max_request_bytes=self.max_request_bytes)
+            raise ValueError(
+                f"kv_cache_tokens ({cache}) must hold two full contexts (2 x max_context = "
+                f"{2 * context}). Fix: raise --kv_cache_tokens or lower --max_context"
+            )
+        return ServerLimits(
+            context,
+            self.default_max_tokens,
+            self.max_tokens,
+            self.max_n,
+            prompt,
+            self.max_concurrent_requests,
+            self.request_timeout,
+            cache,
+            self.max_batch,
+            max_request_bytes=self.max_request_bytes,
+        )
 
 
 class Admission:
@@ -294,9 +350,14 @@ class Admission:
     def enter(self) -> None:
         # Only the event loop thread calls this, so a plain counter is enough.
         if self.active >= self.limit:
-            raise APIError(429, f"The server is busy: {self.limit} requests are in progress (--max_concurrent_"
-                                f"requests). Retry after {self.RETRY_AFTER_S} s.", type="requests",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(self.RETRY_AFTER_S)})
+            raise APIError(
+                429,
+                f"The server is busy: {self.limit} requests are in progress (--max_concurrent_"
+                f"requests). Retry after {self.RETRY_AFTER_S} s.",
+                type="requests",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(self.RETRY_AFTER_S)},
+            )
         self.active += 1
 
     def leave(self) -> None:
@@ -306,6 +367,7 @@ class Admission:
 # ----------------------------------------------------------------------------------------------------------
 # Generation: transformers' continuous batching
 # ----------------------------------------------------------------------------------------------------------
+
 
 class BatchEngine:
     """transformers' `ContinuousBatchingManager` over the model, and a thread that hands each sequence's outputs
@@ -330,20 +392,30 @@ class BatchEngine:
     def _new_manager(self):
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        config = GenerationConfig(do_sample=True, temperature=0.5, top_k=self.model.config.vocab_size, top_p=0.5,
-                                  max_new_tokens=self.max_context, eos_token_id=self.tokenizer.eos_token_id,
-                                  pad_token_id=self.tokenizer.pad_token_id)
+        config = GenerationConfig(
+            do_sample=True,
+            temperature=0.5,
+            top_k=self.model.config.vocab_size,
+            top_p=0.5,
+            max_new_tokens=self.max_context,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
         # transformers 5.17 calls the page size `block_size`. The cache is sized explicitly: by default it takes
         # a share of free memory, which on a CPU box means gigabytes.
-        size_name = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters \
-            else "block_size"
+        size_name = (
+            "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters else "block_size"
+        )
         # At least one full context more than the longest sequence (ServerLimits.check): without spare pages, a
         # sequence that needs nearly the whole cache while others hold pages stops the manager ("No requests can
         # be scheduled").
         pages = self.pages_for(self.cache_tokens)
-        paging = ContinuousBatchingConfig(**{size_name: self.PAGE_SIZE}, num_blocks=pages,
-                                          max_batch_tokens=max(256, self.PAGE_SIZE * 16),
-                                          per_request_processors=True)
+        paging = ContinuousBatchingConfig(
+            **{size_name: self.PAGE_SIZE},
+            num_blocks=pages,
+            max_batch_tokens=max(256, self.PAGE_SIZE * 16),
+            per_request_processors=True,
+        )
         manager = self.model.init_continuous_batching(generation_config=config, continuous_batching_config=paging)
         manager.start()
         return manager
@@ -391,10 +463,15 @@ class BatchEngine:
             self._subscribers[request_id] = deliver
         greedy = params.greedy
         self.manager.add_request(
-            list(prompt_ids), request_id=request_id, max_new_tokens=params.max_new_tokens, streaming=True,
-            eos_token_id=self.tokenizer.eos_token_id, temperature=1.0 if greedy else float(params.temperature),
+            list(prompt_ids),
+            request_id=request_id,
+            max_new_tokens=params.max_new_tokens,
+            streaming=True,
+            eos_token_id=self.tokenizer.eos_token_id,
+            temperature=1.0 if greedy else float(params.temperature),
             top_k=1 if greedy else (params.top_k or self.model.config.vocab_size),
-            top_p=1.0 if greedy else float(params.top_p))
+            top_p=1.0 if greedy else float(params.top_p),
+        )
         return request_id
 
     def release(self, request_id: str, cancel: bool) -> None:
@@ -453,7 +530,7 @@ class CompiledBatchEngine:
         self.model, self.tokenizer, self.max_context, self.max_batch = model, tokenizer, max_context, max_batch
         self.decoder = RowDecoder(model, compile=compile)
         self.cache = RowCache(model.config, max_batch, max_context, self.decoder.dtype, model.device)
-        self.batch_sizes = sorted({min(2 ** k, max_batch) for k in range(max_batch.bit_length() + 1)})
+        self.batch_sizes = sorted({min(2**k, max_batch) for k in range(max_batch.bit_length() + 1)})
         self._caches = {rows: self.cache.first(rows) for rows in self.batch_sizes}
         self._rows: list[_Row] = []  # busy rows, in cache order
         self._waiting: list[_Row] = []
@@ -533,8 +610,9 @@ class CompiledBatchEngine:
                         self._step()
                 except Exception as error:  # every sequence in flight gets the error; the next ones start afresh
                     for row in self._rows:  # the joining ones included: admitting lists them first
-                        row.deliver(_RowOutput(row.request_id, list(row.generated), True,
-                                               f"{type(error).__name__}: {error}"))
+                        row.deliver(
+                            _RowOutput(row.request_id, list(row.generated), True, f"{type(error).__name__}: {error}")
+                        )
                     self._rows.clear()
                     self.cache.positions.zero_()
 
@@ -549,10 +627,11 @@ class CompiledBatchEngine:
                 group, longest = [], len(row.prompt_ids)
             group.append(row)
         start = first
-        for group in groups + [group]:
-            logits = self.decoder.prefill([row.prompt_ids for row in group], self.cache,
-                                          list(range(start, start + len(group))))  # [N, V]
-            for row, row_logits in zip(group, logits):
+        for prefill_group in groups + [group]:
+            logits = self.decoder.prefill(
+                [row.prompt_ids for row in prefill_group], self.cache, list(range(start, start + len(prefill_group)))
+            )  # [N, V]
+            for row, row_logits in zip(prefill_group, logits):
                 row.first_token = self._choose(row, row_logits[None])[0]
             start += len(group)
         for index in reversed(range(first, len(self._rows))):  # freeing a row moves the last one into it
@@ -566,8 +645,9 @@ class CompiledBatchEngine:
         logits = self.decoder.step(tokens, self._caches[rows])[:busy]  # [busy, V]
         self.cache.positions[:busy] += 1
         greedy = logits.argmax(dim=-1).tolist()
-        chosen = [greedy[i] if row.greedy else self._choose(row, logits[i:i + 1])[0]
-                  for i, row in enumerate(self._rows)]
+        chosen = [
+            greedy[i] if row.greedy else self._choose(row, logits[i : i + 1])[0] for i, row in enumerate(self._rows)
+        ]
         for index in reversed(range(busy)):  # freeing a row moves the last one into it: go from the end
             self._emit(index, chosen[index])
 
@@ -622,8 +702,9 @@ class Sequence:
     async def pieces(self) -> AsyncIterator[str]:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        request_id = self.engine.submit(self.prompt_ids, self.params,
-                                        lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output))
+        request_id = self.engine.submit(
+            self.prompt_ids, self.params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output)
+        )
         detokenizer, cutter = _PieceCollector(self.engine.tokenizer), StopStringCutter(self.params.stop)
         output = None
         try:
@@ -631,7 +712,7 @@ class Sequence:
                 output = await outputs.get()
                 if output.error is not None:
                     raise RuntimeError(output.error)
-                new_tokens = output.generated_tokens[self.completion_tokens:]
+                new_tokens = output.generated_tokens[self.completion_tokens :]
                 self.completion_tokens = len(output.generated_tokens)
                 if new_tokens:
                     detokenizer.put(torch.tensor(new_tokens))
@@ -657,16 +738,28 @@ class Sequence:
 # A request: its sequences and what it reports
 # ----------------------------------------------------------------------------------------------------------
 
+
 class Generator:
     """What the server serves: the model, its tokenizer, its name, the limits and the batching engine."""
 
     ENGINES = ("paged", "compiled")
 
-    def __init__(self, model, tokenizer, model_id: str, max_context: int | None = None,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, limits: ServerLimits | None = None,
-                 engine: str = "paged", compile: bool = True):
-        limits = limits or ServerLimits(max_context=max_context, default_max_tokens=default_max_tokens,
-                                        max_tokens=max(default_max_tokens, ServerLimits.max_tokens))
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        max_context: int | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        limits: ServerLimits | None = None,
+        engine: str = "paged",
+        compile: bool = True,
+    ):
+        limits = limits or ServerLimits(
+            max_context=max_context,
+            default_max_tokens=default_max_tokens,
+            max_tokens=max(default_max_tokens, ServerLimits.max_tokens),
+        )
         self.limits = limits.check(model.config.max_position_embeddings)
         self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
         self.max_context = self.limits.max_context
@@ -678,10 +771,12 @@ class Generator:
         elif engine == "compiled":
             slots = self.limits.max_batch * self.max_context
             if slots > self.limits.kv_cache_tokens:
-                raise ValueError(f"the compiled engine keeps max_batch x max_context = {self.limits.max_batch} x "
-                                 f"{self.max_context} = {slots} tokens of keys and values, more than kv_cache_tokens "
-                                 f"({self.limits.kv_cache_tokens}). Fix: lower --max_context or --max_batch, or raise "
-                                 "--kv_cache_tokens")
+                raise ValueError(
+                    f"the compiled engine keeps max_batch x max_context = {self.limits.max_batch} x "
+                    f"{self.max_context} = {slots} tokens of keys and values, more than kv_cache_tokens "
+                    f"({self.limits.kv_cache_tokens}). Fix: lower --max_context or --max_batch, or raise "
+                    "--kv_cache_tokens"
+                )
             self.engine = CompiledBatchEngine(model, tokenizer, self.max_context, self.limits.max_batch, compile)
         else:
             raise ValueError(f"engine must be one of {', '.join(self.ENGINES)}, got {engine!r}")
@@ -691,30 +786,53 @@ class Generator:
         tokenized; nothing where that is not certain."""
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             limits = self.limits
-            raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens and prompts "
-                                f"may have at most {limits.max_prompt_tokens}; the {param} has {chars} characters, "
-                                f"more than {limits.max_prompt_tokens} tokens however it is tokenized. Shorten it.",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limits.max_context} tokens and prompts "
+                f"may have at most {limits.max_prompt_tokens}; the {param} has {chars} characters, "
+                f"more than {limits.max_prompt_tokens} tokens however it is tokenized. Shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def sampling_params(self, request: _Sampling, prompt_tokens: int, param: str) -> SamplingParams:
         """Per-request sampling settings, or the APIError for a request beyond the server's limits."""
         limits = self.limits
         if prompt_tokens > limits.max_prompt_tokens:
-            raise APIError(400, f"This model's maximum context length is {limits.max_context} tokens and prompts "
-                                f"may have at most {limits.max_prompt_tokens}; the {param} has {prompt_tokens} "
-                                "tokens. Shorten it.", param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limits.max_context} tokens and prompts "
+                f"may have at most {limits.max_prompt_tokens}; the {param} has {prompt_tokens} "
+                "tokens. Shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
         name, wanted = request.max_tokens_param()
         if wanted is not None and wanted > limits.max_tokens:
-            raise APIError(400, f"{name} is too large: {wanted}. This server allows at most {limits.max_tokens} "
-                                "completion tokens per request (--max_tokens).", param=name, code="invalid_value")
+            raise APIError(
+                400,
+                f"{name} is too large: {wanted}. This server allows at most {limits.max_tokens} "
+                "completion tokens per request (--max_tokens).",
+                param=name,
+                code="invalid_value",
+            )
         if request.n > limits.max_n:
-            raise APIError(400, f"n is too large: {request.n}. This server allows at most {limits.max_n} choices "
-                                "per request (--max_n).", param="n", code="invalid_value")
+            raise APIError(
+                400,
+                f"n is too large: {request.n}. This server allows at most {limits.max_n} choices "
+                "per request (--max_n).",
+                param="n",
+                code="invalid_value",
+            )
         # A completion that would not fit in the context is not an error: it ends there with "length".
-        return SamplingParams(max_new_tokens=reply_room(wanted or limits.default_max_tokens, prompt_tokens,
-                                                        limits.max_context),
-                              do_sample=request.temperature > 0, temperature=request.temperature,
-                              top_p=request.top_p, top_k=request.top_k, stop=request.stop_list())
+        return SamplingParams(
+            max_new_tokens=reply_room(wanted or limits.default_max_tokens, prompt_tokens, limits.max_context),
+            do_sample=request.temperature > 0,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=request.stop_list(),
+        )
 
 
 def max_chars_per_token(tokenizer) -> int | None:
@@ -740,12 +858,18 @@ class _Job:
         self.generator, self.request = generator, request
         params = [generator.sampling_params(request, len(ids), param) for ids in prompts]
         if len(prompts) * request.n > generator.limits.max_n:
-            raise APIError(400, f"Too many choices: {len(prompts)} prompts x n={request.n}. This server generates "
-                                f"at most {generator.limits.max_n} choices per request (--max_n); split the prompts "
-                                "over several requests.", param=param, code="invalid_value")
+            raise APIError(
+                400,
+                f"Too many choices: {len(prompts)} prompts x n={request.n}. This server generates "
+                f"at most {generator.limits.max_n} choices per request (--max_n); split the prompts "
+                "over several requests.",
+                param=param,
+                code="invalid_value",
+            )
         self.prompt_tokens = sum(len(ids) for ids in prompts)
-        self.sequences = [Sequence(generator.engine, ids, p) for ids, p in zip(prompts, params)
-                          for _ in range(request.n)]
+        self.sequences = [
+            Sequence(generator.engine, ids, p) for ids, p in zip(prompts, params) for _ in range(request.n)
+        ]
         self.deadline = time.monotonic() + generator.limits.request_timeout
 
     @property
@@ -793,8 +917,11 @@ def _completion_id(prefix: str) -> str:
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _sse(payload) -> str:
@@ -832,6 +959,7 @@ class ClientGone(Exception):
 # ----------------------------------------------------------------------------------------------------------
 # The app
 # ----------------------------------------------------------------------------------------------------------
+
 
 def is_loopback_host(host: str) -> bool:
     """Whether a server bound to `host` is reachable from this machine only: 127.0.0.0/8, ::1 (also written
@@ -886,8 +1014,12 @@ def _api_key_check(api_key: str | None):
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not given:
-            raise APIError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (the "
-                                "openai client does so with api_key=...).", code="invalid_api_key")
+            raise APIError(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (the "
+                "openai client does so with api_key=...).",
+                code="invalid_api_key",
+            )
         if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
@@ -937,8 +1069,12 @@ def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
 
     def check_model(name: str):
         if name != generator.model_id:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{generator.model_id}'.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{generator.model_id}'.",
+                param="model",
+                code="model_not_found",
+            )
 
     @router.get("/v1/models")
     async def list_models():
@@ -961,17 +1097,27 @@ def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
             admission.leave()
         id_prefix, object_name = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         return {
-            "id": _completion_id(id_prefix), "object": object_name, "created": int(time.time()),
+            "id": _completion_id(id_prefix),
+            "object": object_name,
+            "created": int(time.time()),
             "model": generator.model_id,
-            "choices": [{"index": i, **(_chat_message(text) if chat else {"text": text}), "logprobs": None,
-                         "finish_reason": sequence.finish_reason}
-                        for i, (text, sequence) in enumerate(zip(texts, job.sequences))],
+            "choices": [
+                {
+                    "index": i,
+                    **(_chat_message(text) if chat else {"text": text}),
+                    "logprobs": None,
+                    "finish_reason": sequence.finish_reason,
+                }
+                for i, (text, sequence) in enumerate(zip(texts, job.sequences))
+            ],
             "usage": _usage(job.prompt_tokens, job.completion_tokens),
         }
 
     def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-        if generator.max_prompt_chars is not None and \
-                sum(len(message["content"]) for message in messages) > generator.max_prompt_chars:
+        if (
+            generator.max_prompt_chars is not None
+            and sum(len(message["content"]) for message in messages) > generator.max_prompt_chars
+        ):
             # Only the rendered text is certain to reach the model: a template may leave parts of messages out.
             rendered = render_conversation(tokenizer, messages, add_generation_prompt=True)
             generator.check_prompt_chars(sum(len(text) for text, _ in rendered), "messages")
@@ -991,8 +1137,9 @@ def create_app(generator: Generator, api_key: str | None = None) -> FastAPI:
         check_model(body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts or not all(prompts):
-            raise APIError(400, "The prompt must be a non-empty string (or a list of them).", param="prompt",
-                           code="invalid_value")
+            raise APIError(
+                400, "The prompt must be a non-empty string (or a list of them).", param="prompt", code="invalid_value"
+            )
         for prompt in prompts:
             generator.check_prompt_chars(len(prompt), "prompt")
         # Raw text: no chat template, no bos (the tokenizer never adds special tokens by itself).
@@ -1035,7 +1182,7 @@ class _ReasoningDeltas:
         delta = {}
         for name, value in (("reasoning_content", reasoning), ("content", answer)):
             if value and len(value) > self.sent[name]:
-                delta[name], self.sent[name] = value[self.sent[name]:], len(value)
+                delta[name], self.sent[name] = value[self.sent[name] :], len(value)
         return delta
 
 
@@ -1048,8 +1195,9 @@ class _EventStream(StreamingResponse):
     client gone (even before the first event) or server shutting down. Closing cancels the generation."""
 
     def __init__(self, events: AsyncIterator[str], on_close):
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.events, self.on_close = events, on_close
 
     async def __call__(self, scope, receive, send):
@@ -1071,9 +1219,12 @@ async def _stream_events(job: _Job, model_id: str, chat: bool) -> AsyncIterator[
     finish reason; then, if asked, a usage chunk; then `[DONE]`. Chat chunks carry `delta`s (the first one of a
     choice announces the role), completion chunks `text`. An error after the stream began (the timeout, a failed
     generation) is an `error` event, as OpenAI sends it, and ends the stream."""
-    header = {"id": _completion_id("chatcmpl" if chat else "cmpl"),
-              "object": "chat.completion.chunk" if chat else "text_completion",
-              "created": int(time.time()), "model": model_id}
+    header = {
+        "id": _completion_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model_id,
+    }
 
     def chunk(index, content, finish_reason=None):
         choice = {"index": index, **({"delta": content} if chat else {"text": content})}
@@ -1113,9 +1264,9 @@ def release_openmp_workers() -> bool:
     """Gives back the OpenMP worker threads the calling thread keeps after any parallel torch op (the OpenMP 5.0
     call `omp_pause_resource_all`); they come back by themselves if it runs torch again. The server runs the model
     in its engine's thread, and while a thread that ran the model before (the compiled engine's warm-up, a
-    benchmark's other rows) still holds a team of workers, GNU OpenMP (torch's on Linux) counts more threads than cores and stops its workers spinning between parallel regions:
-    every step slows down (64M model, 2 cores, compiled fp32 step: 13.8 against 8.2 ms for one row, 22 against
-    14 ms for eight). Returns whether a loaded OpenMP runtime took the call."""
+    benchmark's other rows) still holds a team of workers, GNU OpenMP (torch's on Linux) counts more threads than
+    cores and stops its workers spinning between parallel regions, which slows every step down. Returns whether a
+    loaded OpenMP runtime took the call."""
     import ctypes
     import os
 

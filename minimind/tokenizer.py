@@ -26,9 +26,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -39,8 +39,13 @@ BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 # Order defines the ids: position in this list == token id.
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<think>", "</think>", "<tool_call>", "</tool_call>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
 ]
 # Tokens that must survive ``skip_special_tokens=True`` decoding.
 NON_SKIPPED_TOKENS = {"<think>", "</think>", "<tool_call>", "</tool_call>"}
@@ -89,7 +94,7 @@ CHAT_TEMPLATE = (
     "{{- 'You can call the following tools. Each is described by a JSON schema:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\nTo call a tool, reply with <tool_call>\\n"
-    "{\"name\": <tool-name>, \"arguments\": <arguments-as-json-object>}\\n"
+    '{"name": <tool-name>, "arguments": <arguments-as-json-object>}\\n'
     "</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -105,7 +110,7 @@ CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
     "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
@@ -157,8 +162,9 @@ def _placeholder_marks(messages: list[dict], tools) -> tuple[str, str]:
     return next(free), next(free)
 
 
-def render_conversation(tokenizer, messages: list[dict], tools: list | None = None,
-                        add_generation_prompt: bool = False, **template_kwargs) -> list[tuple[str, bool]]:
+def render_conversation(
+    tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False, **template_kwargs
+) -> list[tuple[str, bool]]:
     """The chat template's rendering of ``messages`` as pieces: (text, True) for message text, (text, False)
     for what the template itself wrote.
 
@@ -175,10 +181,13 @@ def render_conversation(tokenizer, messages: list[dict], tools: list | None = No
         texts.append(value)
         return f"{open_mark}{len(texts) - 1}{close_mark}"
 
-    hidden = [{**message, **{key: hide(message[key]) for key in MESSAGE_TEXT_FIELDS if key in message}}
-              for message in messages]
-    rendered = tokenizer.apply_chat_template(hidden, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, **template_kwargs)
+    hidden = [
+        {**message, **{key: hide(message[key]) for key in MESSAGE_TEXT_FIELDS if key in message}}
+        for message in messages
+    ]
+    rendered = tokenizer.apply_chat_template(
+        hidden, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
     parts = re.split(f"{open_mark}(\\d+){close_mark}", rendered)
     pieces = []
     for i, part in enumerate(parts):
@@ -188,8 +197,9 @@ def render_conversation(tokenizer, messages: list[dict], tools: list | None = No
     return pieces
 
 
-def encode_conversation(tokenizer, messages: list[dict], tools: list | None = None,
-                        add_generation_prompt: bool = False, **template_kwargs) -> ChatEncoding:
+def encode_conversation(
+    tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False, **template_kwargs
+) -> ChatEncoding:
     """Render ``messages`` with the chat template and tokenise the result; special tokens ("<|im_start|>",
     "<|im_end|>", "<|endoftext|>") count only where the template wrote them.
 
@@ -282,10 +292,12 @@ def iter_texts(files: Iterable[str | Path]) -> Iterator[str]:
 def build_bpe_tokenizer() -> Tokenizer:
     """An untrained tokenizer with MiniMind's pipeline (no normaliser, qwen2 split, byte level)."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     return tokenizer
 
@@ -415,11 +427,14 @@ def load_tokenizer(path: str | Path):
         raise InputError(
             f"{path}: tokenizer file(s) {', '.join(missing)} missing. Fix: copy them from the "
             f"directory the model was trained with (every saved MiniMind model and the bundled "
-            f"tokenizer/ directory have them).")
+            f"tokenizer/ directory have them)."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except ValueError as error:  # a tokenizer class that only code shipped in the directory defines
-        raise InputError(f"{path}: its tokenizer cannot be loaded without running code from the directory, "
-                         f"which MiniMind commands never do ({str(error).splitlines()[0]})") from None
+        raise InputError(
+            f"{path}: its tokenizer cannot be loaded without running code from the directory, "
+            f"which MiniMind commands never do ({str(error).splitlines()[0]})"
+        ) from None
     check_special_ids(tokenizer)
     return tokenizer

@@ -38,6 +38,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from configuration_minimind import MiniMindConfig
+
 # Importing the minimind package registers MiniMind with the Auto classes (used by from_config below).
 from minimind.data import build_dataset, collator, read_jsonl, split_train_eval
 from minimind.distributed import restore_model_code, shard_for_cpu_fsdp
@@ -56,9 +57,17 @@ BUNDLED_DATA = {kind: str(REPO_ROOT / "data" / f"{kind}.jsonl") for kind in ("pr
 # PEFT LoRA targets by module name. Explicit names, not "all-linear": that would also wrap `mlp.gate`, which in
 # MoE layers is the router. In MoE layers these names also match every expert's projections.
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MODEL_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-                     "moe_intermediate_size")
+MODEL_SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 PRESETS = ("minillama_0_04b",)
 RESUME_LATEST = ("last", "latest", "true", "auto")
 
@@ -67,15 +76,21 @@ RESUME_LATEST = ("last", "latest", "true", "auto")
 # Arguments
 # --------------------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class ModelArguments:
     """Which model to train: an existing directory/Hub id, or a new MiniMind from a preset and size flags."""
 
-    model_name_or_path: str | None = field(default=None, metadata={
-        "help": "Start from this model (directory or Hub id, loaded with trust_remote_code). "
-                "Without it a new MiniMind is built from --preset and the size flags."})
-    preset: str | None = field(default=None, metadata={
-        "help": "Start a new model from a MiniMindConfig preset.", "choices": PRESETS})
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start from this model (directory or Hub id, loaded with trust_remote_code). "
+            "Without it a new MiniMind is built from --preset and the size flags."
+        },
+    )
+    preset: str | None = field(
+        default=None, metadata={"help": "Start a new model from a MiniMindConfig preset.", "choices": PRESETS}
+    )
     hidden_size: int | None = field(default=None, metadata={"help": "New model only (default: MiniMindConfig's)."})
     num_hidden_layers: int | None = None
     num_attention_heads: int | None = None
@@ -86,19 +101,25 @@ class ModelArguments:
     num_experts: int | None = None
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
-    tokenizer_name_or_path: str | None = field(default=None, metadata={
-        "help": "Default: the model directory's tokenizer if it has one, else the bundled tokenizer/."})
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Default: the model directory's tokenizer if it has one, else the bundled tokenizer/."},
+    )
 
 
 @dataclass
 class DataArguments:
     data_path: str | None = field(default=None, metadata={"help": "JSONL training file (see minimind/data.py)."})
-    max_seq_length: int = field(default=512, metadata={
-        "help": "Pretraining: packed block length. Chat data: truncation length."})
-    eval_fraction: float = field(default=0.01, metadata={
-        "help": "Share of the data held out for eval loss and perplexity (0 disables evaluation)."})
-    skip_bad_lines: bool = field(default=False, metadata={
-        "help": "Skip malformed lines with a warning instead of stopping at the first one."})
+    max_seq_length: int = field(
+        default=512, metadata={"help": "Pretraining: packed block length. Chat data: truncation length."}
+    )
+    eval_fraction: float = field(
+        default=0.01,
+        metadata={"help": "Share of the data held out for eval loss and perplexity (0 disables evaluation)."},
+    )
+    skip_bad_lines: bool = field(
+        default=False, metadata={"help": "Skip malformed lines with a warning instead of stopping at the first one."}
+    )
 
 
 @dataclass
@@ -107,19 +128,26 @@ class LoraArguments:
     lora_alpha: int = 16
     lora_dropout: float = 0.05
     lora_target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
-    merge: bool = field(default=False, metadata={
-        "help": "Also save base+adapter merged into a full model in <output_dir>/merged."})
+    merge: bool = field(
+        default=False, metadata={"help": "Also save base+adapter merged into a full model in <output_dir>/merged."}
+    )
     data_kind: str = field(default="sft", metadata={"choices": ["sft", "pretrain"]})
 
 
 @dataclass
 class DistillArguments:
-    teacher_name_or_path: str | None = field(default=None, metadata={
-        "help": "Teacher: a MiniMind directory, or a model of an architecture transformers ships (no remote "
-                "code), with the student's vocabulary."})
+    teacher_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Teacher: a MiniMind directory, or a model of an architecture transformers ships (no remote "
+            "code), with the student's vocabulary."
+        },
+    )
     temperature: float = field(default=2.0, metadata={"help": "Softens both distributions in the KL term."})
-    alpha: float = field(default=0.5, metadata={
-        "help": "loss = alpha * T^2 * KL(teacher || student) + (1 - alpha) * cross-entropy on the labels."})
+    alpha: float = field(
+        default=0.5,
+        metadata={"help": "loss = alpha * T^2 * KL(teacher || student) + (1 - alpha) * cross-entropy on the labels."},
+    )
     data_kind: str = field(default="sft", metadata={"choices": ["sft", "pretrain"]})
 
 
@@ -128,16 +156,26 @@ class MiniMindTrainingArguments(TrainingArguments):
     """TrainingArguments plus `padding_free`, a switch TRL's DPOConfig has under the same name: so the flag means
     the same in every command, and the DPO command, parsed with DPOConfig, takes TRL's."""
 
-    padding_free: bool = field(default=False, metadata={
-        "help": "Pretraining and chat data: each batch is one row of its examples back to back, position ids "
-                "restarting at every example, no padding tokens. Pretraining then keeps documents apart (split "
-                "at --max_seq_length) instead of packing fixed blocks, and --per_device_train_batch_size counts "
-                "documents or chats."})
+    padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Pretraining and chat data: each batch is one row of its examples back to back, position ids "
+            "restarting at every example, no padding tokens. Pretraining then keeps documents apart (split "
+            "at --max_seq_length) instead of packing fixed blocks, and --per_device_train_batch_size counts "
+            "documents or chats."
+        },
+    )
 
 
 # Script defaults for TrainingArguments: small logs, resumable checkpoints, no external loggers.
-TRAINING_DEFAULTS = dict(logging_steps=10, save_steps=500, save_total_limit=2, report_to="none",
-                         per_device_train_batch_size=8, per_device_eval_batch_size=8)
+TRAINING_DEFAULTS = dict(
+    logging_steps=10,
+    save_steps=500,
+    save_total_limit=2,
+    report_to="none",
+    per_device_train_batch_size=8,
+    per_device_eval_batch_size=8,
+)
 
 
 def hardware_bf16(use_cpu=False):
@@ -159,13 +197,24 @@ class ArgumentParser(HfArgumentParser):
         bf16 = self._option_string_actions["--bf16"]
         bf16.nargs, bf16.const = "?", True  # a bare --bf16 for DPOConfig too (its optional field wants a value)
         if "--no_bf16" not in self._option_string_actions:
-            self.add_argument("--no_bf16", "--no-bf16", dest="bf16", action="store_false",
-                              help="train in fp32 even where bf16 is available")
+            self.add_argument(
+                "--no_bf16",
+                "--no-bf16",
+                dest="bf16",
+                action="store_false",
+                help="train in fp32 even where bf16 is available",
+            )
         for name in ("activation_checkpointing", "activation_checkpointing_kwargs"):
             if f"--{name}" not in self._option_string_actions:
                 old = self._option_string_actions[f"--{name.replace('activation', 'gradient')}"]
-                self.add_argument(f"--{name}", dest=old.dest, type=old.type, nargs=old.nargs, const=old.const,
-                                  help=f"same as --{old.dest} in this transformers release")
+                self.add_argument(
+                    f"--{name}",
+                    dest=old.dest,
+                    type=old.type,
+                    nargs=old.nargs,
+                    const=old.const,
+                    help=f"same as --{old.dest} in this transformers release",
+                )
         # TrainingArguments takes "all", "non_padding" or "no" here (or a bool); HfArgumentParser reads `str | bool`
         # as a bool and refuses "non_padding", the count that tells real tokens from padding.
         tokens_seen = self._option_string_actions["--include_num_input_tokens_seen"]
@@ -194,8 +243,12 @@ def setup_run(training_args):
     """Logging and warnings for this process, and the seed set before the model is built so that its init is
     reproducible."""
     transformers.set_seed(training_args.seed)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO,
-                        handlers=[logging.StreamHandler(sys.stdout)], force=True)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=logging.INFO,
+        handlers=[logging.StreamHandler(sys.stdout)],
+        force=True,
+    )
     level = training_args.get_process_log_level()
     logger.setLevel(level)
     logging.getLogger("minimind").setLevel(level)
@@ -208,6 +261,7 @@ def setup_run(training_args):
 # --------------------------------------------------------------------------------------------------------------
 # Tokenizer, data, model
 # --------------------------------------------------------------------------------------------------------------
+
 
 def load_tokenizer(model_args):
     """The run's tokenizer: --tokenizer_name_or_path, else the starting model's own, else the bundled one. The
@@ -234,19 +288,33 @@ def load_datasets(kind, data_args, tokenizer, seed=42, padding_free=False):
 
         rows, _ = read_jsonl(data_args.data_path, "dpo", data_args.skip_bad_lines)
         # Tools as a JSON string: TRL parses it back; as a column of nested structs Arrow would merge its keys.
-        dataset = Dataset.from_list([{"chosen": row["chosen"], "rejected": row["rejected"],
-                                      "tools": json.dumps(row.get("tools") or None)} for row in rows])
+        dataset = Dataset.from_list(
+            [
+                {"chosen": row["chosen"], "rejected": row["rejected"], "tools": json.dumps(row.get("tools") or None)}
+                for row in rows
+            ]
+        )
     else:
-        dataset = build_dataset(kind, data_args.data_path, tokenizer, data_args.max_seq_length,
-                                skip_bad_lines=data_args.skip_bad_lines, padding_free=padding_free)
+        dataset = build_dataset(
+            kind,
+            data_args.data_path,
+            tokenizer,
+            data_args.max_seq_length,
+            skip_bad_lines=data_args.skip_bad_lines,
+            padding_free=padding_free,
+        )
     return split_train_eval(dataset, data_args.eval_fraction, seed)
 
 
 def build_config(model_args, tokenizer):
     """A new MiniMindConfig from the preset and size flags, with vocabulary and special ids from the tokenizer."""
     sizes = {name: getattr(model_args, name) for name in MODEL_SIZE_FIELDS if getattr(model_args, name) is not None}
-    tokens = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    tokens = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     make = getattr(MiniMindConfig, model_args.preset) if model_args.preset else MiniMindConfig
     return make(**sizes, **tokens, use_moe=model_args.use_moe)
 
@@ -263,8 +331,10 @@ def build_model(model_args, tokenizer):
     else:
         model = AutoModelForCausalLM.from_config(build_config(model_args, tokenizer))
     if model.get_input_embeddings().num_embeddings < len(tokenizer):
-        raise ValueError(f"the model has {model.get_input_embeddings().num_embeddings} embeddings but the "
-                         f"tokenizer has {len(tokenizer)} tokens. Fix: use the tokenizer the model was trained with.")
+        raise ValueError(
+            f"the model has {model.get_input_embeddings().num_embeddings} embeddings but the "
+            f"tokenizer has {len(tokenizer)} tokens. Fix: use the tokenizer the model was trained with."
+        )
     # generate() reads these from generation_config.json; keep them equal to the tokenizer's.
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(model.generation_config, name, getattr(tokenizer, name))
@@ -276,6 +346,7 @@ def build_model(model_args, tokenizer):
 # --------------------------------------------------------------------------------------------------------------
 # Saving and resuming
 # --------------------------------------------------------------------------------------------------------------
+
 
 def finish_hf_directory(output_dir, tokenizer, training_args=None):
     """Make a directory that save_pretrained wrote a complete, pickle-free HF model directory."""
@@ -335,7 +406,7 @@ class HFDirectoryMixin:
         try:
             super()._save_checkpoint(model, trial)
         except Exception as error:
-            raise self._full_disk_error(error, run_dir, staging_root, name) or error
+            raise self._full_disk_error(error, run_dir, staging_root, name) or error  # noqa: B904 (the same error)
         finally:
             self._staging_root = None
         self.accelerator.wait_for_everyone()  # every rank has written its RNG (and sharded) state
@@ -349,15 +420,19 @@ class HFDirectoryMixin:
                 self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
             _fsync_tree(staged)  # so that a power cut cannot reorder the rename before the data
         except Exception as error:
-            raise self._full_disk_error(error, run_dir, staging_root, name) or error
+            raise self._full_disk_error(error, run_dir, staging_root, name) or error  # noqa: B904 (the same error)
         if final.exists():
             os.replace(final, replaced)
         os.replace(staged, final)
         _fsync_tree(run_dir, files=False)
         shutil.rmtree(staging_root, ignore_errors=True)
         # Trainer rotated inside the staging directory (a no-op); rotate the real checkpoints now that N exists.
-        rotate_checkpoints(output_dir=str(run_dir), save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        rotate_checkpoints(
+            output_dir=str(run_dir),
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     def _full_disk_error(self, error, run_dir, staging_root, name):
         """The InputError for a checkpoint save that failed on a full filesystem (None for any other failure, which
@@ -369,8 +444,11 @@ class HFDirectoryMixin:
         if self.args.should_save:
             shutil.rmtree(staging_root, ignore_errors=True)
         previous = checkpoint_dirs(run_dir)
-        kept = (f"The newest earlier checkpoint, {previous[max(previous)].name}, is intact." if previous else
-                "No checkpoint was saved before it.")
+        kept = (
+            f"The newest earlier checkpoint, {previous[max(previous)].name}, is intact."
+            if previous
+            else "No checkpoint was saved before it."
+        )
         return full_disk_error(error, run_dir, f"{name} (the unfinished save was removed)", need, basis, kept)
 
     def _checkpoint_size_estimate(self, run_dir):
@@ -382,8 +460,9 @@ class HFDirectoryMixin:
             return sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()), f"the size of {newest.name}"
         tensors = list(self.model.parameters())
         if self.optimizer is not None:
-            tensors += [value for state in self.optimizer.state.values() for value in state.values()
-                        if torch.is_tensor(value)]
+            tensors += [
+                value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+            ]
         return sum(t.numel() * t.element_size() for t in tensors), "the model's parameters plus optimizer state"
 
 
@@ -413,10 +492,12 @@ def full_disk_error(error, directory, what, need, basis, kept):
     """One line for the user: which filesystem is full, how much the save needs and has, what survived, the fix."""
     cause = " ".join(str(error).split())
     cause = f"{type(error).__name__}: {cause[:200]}{'...' if len(cause) > 200 else ''}"
-    return InputError(f"no space left on the filesystem of {directory}: saving {what} failed ({cause}). It needs "
-                      f"about {_size(need)} ({basis}); {_size(shutil.disk_usage(directory).free)} is free. {kept} "
-                      "Fix: free space there, or pass an --output_dir on a larger filesystem (copying the "
-                      "checkpoints along), then rerun with --resume_from_checkpoint last.")
+    return InputError(
+        f"no space left on the filesystem of {directory}: saving {what} failed ({cause}). It needs "
+        f"about {_size(need)} ({basis}); {_size(shutil.disk_usage(directory).free)} is free. {kept} "
+        "Fix: free space there, or pass an --output_dir on a larger filesystem (copying the "
+        "checkpoints along), then rerun with --resume_from_checkpoint last."
+    )
 
 
 # What a checkpoint holds for resuming only (names, or the start of names of files and of sharded directories).
@@ -424,8 +505,15 @@ RESUME_ONLY_FILES = ("optimizer", "scheduler", "scaler", "rng_state", TRAINER_ST
 
 
 def _file_stamps(directory):
-    return {path.name: (stat.st_ino, stat.st_size, stat.st_mtime_ns) for path in Path(directory).iterdir()
-            if path.is_file() and (stat := path.stat())} if Path(directory).is_dir() else {}
+    return (
+        {
+            path.name: (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+            for path in Path(directory).iterdir()
+            if path.is_file() and (stat := path.stat())
+        }
+        if Path(directory).is_dir()
+        else {}
+    )
 
 
 def save_final_model(trainer, output_dir):
@@ -438,8 +526,11 @@ def save_final_model(trainer, output_dir):
         steps = checkpoint_dirs(output_dir)
         if steps:  # the final directory is a checkpoint without what only a resume reads
             newest = steps[max(steps)]
-            need = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file() and not
-                       f.relative_to(newest).parts[0].startswith(RESUME_ONLY_FILES))
+            need = sum(
+                f.stat().st_size
+                for f in newest.rglob("*")
+                if f.is_file() and not f.relative_to(newest).parts[0].startswith(RESUME_ONLY_FILES)
+            )
             basis = f"{newest.name} without its optimizer, scheduler and RNG state"
         else:
             need = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
@@ -451,8 +542,9 @@ def save_final_model(trainer, output_dir):
                 if before.get(name) != stamp:
                     (Path(output_dir) / name).unlink(missing_ok=True)
         kept = "Its checkpoints are intact." if steps else "No checkpoint was saved."
-        raise full_disk_error(error, output_dir, "the final model (its partial files were removed)", need, basis,
-                              kept) from error
+        raise full_disk_error(
+            error, output_dir, "the final model (its partial files were removed)", need, basis, kept
+        ) from error
 
 
 def _fsync_tree(path, files=True):
@@ -568,8 +660,9 @@ def checkpoint_problems(path, training_args=None, scaler=False):
     if not path.is_dir():
         return ["it is not a directory"]
     problems = [problem for problem in [_trainer_state_problem(path)] if problem]
-    problems += [problem for name in CONFIG_FILES if (path / name).exists()
-                 and (problem := _json_object_problem(path / name))]
+    problems += [
+        problem for name in CONFIG_FILES if (path / name).exists() and (problem := _json_object_problem(path / name))
+    ]
     deepspeed = bool(getattr(training_args, "deepspeed", None))
     if not deepspeed:
         problems += _weights_problems(path)
@@ -578,7 +671,8 @@ def checkpoint_problems(path, training_args=None, scaler=False):
     if not deepspeed:
         # Trainer also takes an optimizer saved as optimizer.bin or in a sharded optimizer_* directory (FSDP).
         other_optimizer = (path / "optimizer.bin").is_file() or any(
-            child.is_dir() and "optimizer" in child.name for child in path.iterdir())
+            child.is_dir() and "optimizer" in child.name for child in path.iterdir()
+        )
         if (path / OPTIMIZER_FILE).exists() or not other_optimizer:
             problems.append(_torch_file_problem(path / OPTIMIZER_FILE))
         problems.append(_torch_file_problem(path / SCHEDULER_FILE, load=True))
@@ -618,8 +712,9 @@ def latest_complete_checkpoint(output_dir, training_args=None, scaler=False):
         problems = checkpoint_problems(steps[step], training_args, scaler)
         if not problems:
             return str(steps[step])
-        logger.warning("not resuming from %s: %s; falling back to an older checkpoint", steps[step],
-                       "; ".join(problems))
+        logger.warning(
+            "not resuming from %s: %s; falling back to an older checkpoint", steps[step], "; ".join(problems)
+        )
     return None
 
 
@@ -639,20 +734,24 @@ def resolve_resume_checkpoint(training_args, scaler=False):
                 raise InputError(
                     f"--resume_from_checkpoint {value}: no checkpoint in {training_args.output_dir} is complete "
                     f"({', '.join(damaged)}; the warnings above name the missing or damaged files). Fix: restore "
-                    "those files, or move the checkpoint directories away to start from scratch.")
+                    "those files, or move the checkpoint directories away to start from scratch."
+                )
             logger.warning("no checkpoint in %s yet; starting from scratch", training_args.output_dir)
         return checkpoint
     problems = checkpoint_problems(value, training_args, scaler)
     if problems:
-        raise InputError(f"--resume_from_checkpoint {value}: not a complete checkpoint: {'; '.join(problems)}. "
-                         "Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest "
-                         "complete checkpoint.")
+        raise InputError(
+            f"--resume_from_checkpoint {value}: not a complete checkpoint: {'; '.join(problems)}. "
+            "Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest "
+            "complete checkpoint."
+        )
     return value
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Trainers
 # --------------------------------------------------------------------------------------------------------------
+
 
 def perplexity(loss):
     try:
@@ -664,10 +763,10 @@ def perplexity(loss):
 class CausalLMTrainer(HFDirectoryMixin, Trainer):
     """Trainer that saves complete HF directories and reports `eval_perplexity = exp(eval_loss)`."""
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                         metric_key_prefix)
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         loss = output.metrics.get(f"{metric_key_prefix}_loss")
         if loss is not None:  # added here, inside evaluate(), so the logged metrics carry it too
             output.metrics[f"{metric_key_prefix}_perplexity"] = perplexity(loss)
@@ -683,7 +782,7 @@ def distillation_kl(student_logits, teacher_logits, labels, temperature):
     teacher = F.log_softmax(teacher_logits[:, :-1].float() / temperature, dim=-1)
     mask = labels[:, 1:] != -100
     per_token = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)  # [B, T-1]
-    return per_token[mask].sum() / mask.sum().clamp(min=1) * temperature ** 2
+    return per_token[mask].sum() / mask.sum().clamp(min=1) * temperature**2
 
 
 class DistillationTrainer(CausalLMTrainer):
@@ -704,12 +803,15 @@ class DistillationTrainer(CausalLMTrainer):
         if model.training:
             with torch.no_grad():
                 # position_ids too: padding-free batches mark where each example starts with them.
-                teacher_inputs = {key: inputs[key] for key in ("input_ids", "attention_mask", "position_ids")
-                                  if key in inputs}
+                teacher_inputs = {
+                    key: inputs[key] for key in ("input_ids", "attention_mask", "position_ids") if key in inputs
+                }
                 teacher_logits = self.teacher_model(**teacher_inputs).logits
             if teacher_logits.shape[-1] != outputs.logits.shape[-1]:
-                raise ValueError(f"teacher vocabulary ({teacher_logits.shape[-1]}) differs from the student's "
-                                 f"({outputs.logits.shape[-1]}). Fix: use a teacher with the student's tokenizer.")
+                raise ValueError(
+                    f"teacher vocabulary ({teacher_logits.shape[-1]}) differs from the student's "
+                    f"({outputs.logits.shape[-1]}). Fix: use a teacher with the student's tokenizer."
+                )
             kl = distillation_kl(outputs.logits, teacher_logits, inputs["labels"], self.temperature)
             loss = self.alpha * kl + (1 - self.alpha) * loss
         return (loss, outputs) if return_outputs else loss
@@ -718,6 +820,7 @@ class DistillationTrainer(CausalLMTrainer):
 # --------------------------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------------------------
+
 
 def loss_curve(log_history):
     """[(step, training loss)] from Trainer's log history."""
@@ -765,18 +868,24 @@ def train_and_save(trainer, training_args):
     return trainer, metrics
 
 
-def run_training(kind, model_args, data_args, training_args, trainer_class=CausalLMTrainer, adapt_model=None,
-                 **trainer_kwargs):
+def run_training(
+    kind, model_args, data_args, training_args, trainer_class=CausalLMTrainer, adapt_model=None, **trainer_kwargs
+):
     """The one training recipe behind every command: logging and seed, tokenizer, datasets of `kind` (pretrain,
     sft or dpo; before the model, so that bad data stops the run before anything is built), model (`adapt_model`
     may wrap it, e.g. in LoRA adapters), collator, `trainer_class`, then train, save and evaluate. Returns
     (trainer, metrics); metrics include eval_loss and eval_perplexity when --eval_fraction > 0."""
     setup_run(training_args)
     tokenizer = load_tokenizer(model_args)
-    train_dataset, eval_dataset = load_datasets(kind, data_args, tokenizer, training_args.seed,
-                                                padding_free=training_args.padding_free)
-    logger.info("%s data: %d train / %d eval examples", kind, len(train_dataset),
-                len(eval_dataset) if eval_dataset is not None else 0)
+    train_dataset, eval_dataset = load_datasets(
+        kind, data_args, tokenizer, training_args.seed, padding_free=training_args.padding_free
+    )
+    logger.info(
+        "%s data: %d train / %d eval examples",
+        kind,
+        len(train_dataset),
+        len(eval_dataset) if eval_dataset is not None else 0,
+    )
     model = build_model(model_args, tokenizer)
     if adapt_model is not None:
         model = adapt_model(model)
@@ -786,9 +895,15 @@ def run_training(kind, model_args, data_args, training_args, trainer_class=Causa
         training_args.eval_strategy = "no"
     # DPOTrainer tokenises the pairs and batches them itself.
     data_collator = None if kind == "dpo" else collator(kind, tokenizer, training_args.padding_free)
-    trainer = trainer_class(model=model, args=training_args, train_dataset=train_dataset,
-                            eval_dataset=eval_dataset, data_collator=data_collator, processing_class=tokenizer,
-                            **trainer_kwargs)
+    trainer = trainer_class(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        data_collator=data_collator,
+        processing_class=tokenizer,
+        **trainer_kwargs,
+    )
     return train_and_save(trainer, training_args)
 
 
@@ -807,20 +922,25 @@ def run_lora(model_args, data_args, lora_args, training_args):
     to <output_dir>/merged."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
-                      target_modules=lora_args.lora_target_modules, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=lora_args.lora_r,
+        lora_alpha=lora_args.lora_alpha,
+        lora_dropout=lora_args.lora_dropout,
+        target_modules=lora_args.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
 
     def add_adapters(model):
         model = get_peft_model(model, lora)
         model.print_trainable_parameters()
         return model
 
-    trainer, metrics = run_training(lora_args.data_kind, model_args, data_args, training_args,
-                                    adapt_model=add_adapters)
+    trainer, metrics = run_training(
+        lora_args.data_kind, model_args, data_args, training_args, adapt_model=add_adapters
+    )
     if lora_args.merge and training_args.should_save:
         merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        save_hf_directory(merged, trainer.processing_class, Path(training_args.output_dir) / "merged",
-                          training_args)
+        save_hf_directory(merged, trainer.processing_class, Path(training_args.output_dir) / "merged", training_args)
     return trainer, metrics
 
 
@@ -856,6 +976,13 @@ def run_distill(model_args, data_args, distill_args, training_args):
     if not distill_args.teacher_name_or_path:
         raise ValueError("no teacher. Fix: pass --teacher_name_or_path DIR_OR_ID")
     teacher = load_native_causal_lm(distill_args.teacher_name_or_path, dtype=torch.float32)
-    return run_training(distill_args.data_kind, model_args, data_args, training_args,
-                        trainer_class=DistillationTrainer, teacher_model=teacher,
-                        temperature=distill_args.temperature, alpha=distill_args.alpha)
+    return run_training(
+        distill_args.data_kind,
+        model_args,
+        data_args,
+        training_args,
+        trainer_class=DistillationTrainer,
+        teacher_model=teacher,
+        temperature=distill_args.temperature,
+        alpha=distill_args.alpha,
+    )

@@ -14,11 +14,18 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import replace
-from pathlib import Path
 
 from minimind import loading
-from minimind.chat import (CHAT_TEMPERATURE, CHAT_TOP_P, SamplingParams, TextStream, chat_prompt_ids,
-                           load_model_and_tokenizer, reply_room, split_reasoning)
+from minimind.chat import (
+    CHAT_TEMPERATURE,
+    CHAT_TOP_P,
+    SamplingParams,
+    TextStream,
+    chat_prompt_ids,
+    load_model_and_tokenizer,
+    reply_room,
+    split_reasoning,
+)
 from minimind.decode import CompiledDecoder
 from minimind.errors import InputError
 
@@ -38,8 +45,11 @@ def reply_messages(text: str, finished: bool = True) -> list[dict]:
         return [{"role": "assistant", "content": answer}]
     # "pending" keeps the section open with a spinner while the model is still thinking; "done" folds it.
     still_thinking = not finished and not answer
-    thought = {"role": "assistant", "content": reasoning.strip(),
-               "metadata": {"title": THINKING_TITLE, "status": "pending" if still_thinking else "done"}}
+    thought = {
+        "role": "assistant",
+        "content": reasoning.strip(),
+        "metadata": {"title": THINKING_TITLE, "status": "pending" if still_thinking else "done"},
+    }
     return [thought, {"role": "assistant", "content": answer}] if answer else [thought]
 
 
@@ -60,8 +70,12 @@ def conversation(history: list[dict], message: str, system_prompt: str | None = 
         if (entry.get("metadata") or {}).get("title"):
             # A reply that stopped while thinking has a thought and no answer after it.
             messages.append({"role": "assistant", "content": "", "reasoning_content": text})
-        elif entry["role"] == "assistant" and messages and "reasoning_content" in messages[-1] \
-                and not messages[-1]["content"]:  # the answer after a thought
+        elif (
+            entry["role"] == "assistant"
+            and messages
+            and "reasoning_content" in messages[-1]
+            and not messages[-1]["content"]
+        ):  # the answer after a thought
             messages[-1]["content"] = text
         else:
             messages.append({"role": entry["role"], "content": text})
@@ -95,8 +109,14 @@ class LoadedModel:
     """The model the page chats with, one of `choices` (page name -> path), kept until the visitor picks another.
     One at a time, so switching models does not double the memory in use."""
 
-    def __init__(self, choices: dict[str, str], device: str | None = None, dtype: str = "float32",
-                 compile: bool = False, int8: bool = False):
+    def __init__(
+        self,
+        choices: dict[str, str],
+        device: str | None = None,
+        dtype: str = "float32",
+        compile: bool = False,
+        int8: bool = False,
+    ):
         self.choices = choices
         self.device, self.dtype, self.compile, self.int8 = device, dtype, compile, int8
         self.name = None
@@ -110,8 +130,9 @@ class LoadedModel:
             if name != self.name:
                 # the old model is freed before the new one loads
                 self.model = self.tokenizer = self.decoder = self.name = None
-                self.model, self.tokenizer = load_model_and_tokenizer(self.choices[name], self.device, self.dtype,
-                                                                      self.int8)
+                self.model, self.tokenizer = load_model_and_tokenizer(
+                    self.choices[name], self.device, self.dtype, self.int8
+                )
                 self.decoder = CompiledDecoder(self.model) if self.compile else None
                 self.name = name
             return self.model, self.tokenizer, self.decoder
@@ -128,8 +149,9 @@ class LoadedModel:
         return f"Could not load `{name}`; the server's log says why."
 
 
-def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams, enable_thinking: bool = True,
-                 decoder=None):
+def stream_reply(
+    model, tokenizer, messages: list[dict], params: SamplingParams, enable_thinking: bool = True, decoder=None
+):
     """The page's view of the reply to `messages` after each streamed piece: lists of chat messages, the last
     one for the finished reply (its thinking folded). `enable_thinking=False` puts the template's empty think
     block in the prompt, so the model answers directly; `decoder` (a `CompiledDecoder`) replaces generate."""
@@ -138,8 +160,10 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
     context = model.config.max_position_embeddings
     room = reply_room(params.max_new_tokens, len(prompt_ids), context)
     if room <= 0:
-        raise ValueError(f"the conversation ({len(prompt_ids)} tokens) fills the model's {context}-token context: "
-                         "clear the chat to start anew")
+        raise ValueError(
+            f"the conversation ({len(prompt_ids)} tokens) fills the model's {context}-token context: "
+            "clear the chat to start anew"
+        )
     params = replace(params, max_new_tokens=room)
     text = ""
     for piece in TextStream(model, tokenizer, prompt_ids, params, decoder=decoder):
@@ -148,9 +172,17 @@ def stream_reply(model, tokenizer, messages: list[dict], params: SamplingParams,
     yield reply_messages(text, finished=True)
 
 
-def build_app(model_paths: str | list[str], *, device: str | None = None, dtype: str = "float32",
-              defaults: SamplingParams | None = None, system_prompt: str | None = None,
-              enable_thinking: bool = True, compile: bool = False, int8: bool = False):
+def build_app(
+    model_paths: str | list[str],
+    *,
+    device: str | None = None,
+    dtype: str = "float32",
+    defaults: SamplingParams | None = None,
+    system_prompt: str | None = None,
+    enable_thinking: bool = True,
+    compile: bool = False,
+    int8: bool = False,
+):
     """The chat page as a `gr.Blocks` that offers the models in `model_paths` (every one checked, the first
     loaded, so a bad path fails here, not on the first message). `compile`: replies through
     `minimind.decode.CompiledDecoder` (the command's default), which Gradio's one-reply-at-a-time queue keeps to
@@ -178,11 +210,22 @@ def build_app(model_paths: str | list[str], *, device: str | None = None, dtype:
             model, tokenizer, decoder = loaded.get(name)
         except Exception as error:
             raise gr.Error(loaded.visitor_message(name, error)) from None
-        params = SamplingParams(max_new_tokens=int(max_new_tokens), do_sample=temperature > 0,
-                                temperature=temperature, top_p=top_p, top_k=defaults.top_k)
+        params = SamplingParams(
+            max_new_tokens=int(max_new_tokens),
+            do_sample=temperature > 0,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=defaults.top_k,
+        )
         try:
-            yield from stream_reply(model, tokenizer, conversation(history, message, system), params,
-                                    enable_thinking=thinking, decoder=decoder)
+            yield from stream_reply(
+                model,
+                tokenizer,
+                conversation(history, message, system),
+                params,
+                enable_thinking=thinking,
+                decoder=decoder,
+            )
         except ValueError as error:
             raise gr.Error(str(error)) from error
 
@@ -191,23 +234,43 @@ def build_app(model_paths: str | list[str], *, device: str | None = None, dtype:
             # The settings come first: ChatInterface takes already rendered inputs as they are and would put
             # unrendered ones in an accordion under the chat.
             with gr.Column(scale=1):
-                model_box = gr.Dropdown(choices=list(choices), value=first, label="Model",
-                                        info="The models this page was started with")
+                model_box = gr.Dropdown(
+                    choices=list(choices), value=first, label="Model", info="The models this page was started with"
+                )
                 status = gr.Markdown(loaded.describe())
                 system_box = gr.Textbox(value=system_prompt or "", label="System prompt", lines=3)
-                thinking = gr.Checkbox(value=enable_thinking, label="Let the model think",
-                                       info="Off: an empty think block in the prompt, so it answers directly")
-                temperature = gr.Slider(0, 2, value=defaults.temperature if defaults.do_sample else 0, step=0.05,
-                                        label="Temperature", info="0 = greedy")
+                thinking = gr.Checkbox(
+                    value=enable_thinking,
+                    label="Let the model think",
+                    info="Off: an empty think block in the prompt, so it answers directly",
+                )
+                temperature = gr.Slider(
+                    0,
+                    2,
+                    value=defaults.temperature if defaults.do_sample else 0,
+                    step=0.05,
+                    label="Temperature",
+                    info="0 = greedy",
+                )
                 top_p = gr.Slider(0.05, 1, value=defaults.top_p, step=0.05, label="Top-p")
                 max_new_tokens = gr.Slider(1, 2048, value=defaults.max_new_tokens, step=1, label="Max new tokens")
             with gr.Column(scale=3):
                 # A labelled message box (the label hidden) so the box can be found by name, as for the others.
-                message_box = gr.Textbox(label="Message", show_label=False, placeholder="Type a message...",
-                                         scale=7, autofocus=True, submit_btn=True, stop_btn=True)
-                gr.ChatInterface(respond, chatbot=gr.Chatbot(label="MiniMind", height=520), textbox=message_box,
-                                 additional_inputs=[model_box, system_box, thinking, temperature, top_p,
-                                                    max_new_tokens])
+                message_box = gr.Textbox(
+                    label="Message",
+                    show_label=False,
+                    placeholder="Type a message...",
+                    scale=7,
+                    autofocus=True,
+                    submit_btn=True,
+                    stop_btn=True,
+                )
+                gr.ChatInterface(
+                    respond,
+                    chatbot=gr.Chatbot(label="MiniMind", height=520),
+                    textbox=message_box,
+                    additional_inputs=[model_box, system_box, thinking, temperature, top_p, max_new_tokens],
+                )
         model_box.change(load, model_box, status)
     return app
 

@@ -1,6 +1,6 @@
 """Benchmark MiniMind against transformers' Qwen3 / Qwen3-MoE: the `minimind-benchmark` command, run from a checkout.
 
-    python scripts/benchmark.py --quick --output /tmp/bench.md
+python scripts/benchmark.py --quick --output /tmp/bench.md
 """
 
 from minimind.cli import benchmark as main

@@ -28,39 +28,102 @@ from pathlib import Path
 # --------------------------------------------------------------------------
 
 NUMBER_WORDS = [
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight",
-    "nine", "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen",
-    "sixteen", "seventeen", "eighteen", "nineteen", "twenty",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
 ]
 
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 MONTHS = [
-    "January", "February", "March", "April", "May", "June", "July",
-    "August", "September", "October", "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ]
 
 SEASON_OF_MONTH = {
-    "December": "winter", "January": "winter", "February": "winter",
-    "March": "spring", "April": "spring", "May": "spring",
-    "June": "summer", "July": "summer", "August": "summer",
-    "September": "autumn", "October": "autumn", "November": "autumn",
+    "December": "winter",
+    "January": "winter",
+    "February": "winter",
+    "March": "spring",
+    "April": "spring",
+    "May": "spring",
+    "June": "summer",
+    "July": "summer",
+    "August": "summer",
+    "September": "autumn",
+    "October": "autumn",
+    "November": "autumn",
 }
 
 COLOURS = {
-    "the sky": "blue", "grass": "green", "snow": "white", "coal": "black",
-    "a banana": "yellow", "a strawberry": "red", "an orange": "orange",
-    "a carrot": "orange", "a lemon": "yellow", "a frog": "green",
-    "milk": "white", "a tomato": "red", "a cucumber": "green",
-    "a pumpkin": "orange", "the sun": "yellow", "a crow": "black",
-    "a fire truck": "red", "a plum": "purple", "an eggplant": "purple",
-    "chocolate": "brown", "a polar bear": "white", "a flamingo": "pink",
-    "a lime": "green", "a cherry": "red", "the sea": "blue",
-    "a blueberry": "blue", "a lettuce leaf": "green", "a swan": "white",
-    "a raven": "black", "a grape": "purple", "a pig": "pink",
-    "tree bark": "brown", "a canary": "yellow", "a ruby": "red",
-    "an emerald": "green", "a sapphire": "blue", "a penguin's belly": "white",
-    "a school bus": "yellow", "a panda's ear": "black", "a peach": "orange",
+    "the sky": "blue",
+    "grass": "green",
+    "snow": "white",
+    "coal": "black",
+    "a banana": "yellow",
+    "a strawberry": "red",
+    "an orange": "orange",
+    "a carrot": "orange",
+    "a lemon": "yellow",
+    "a frog": "green",
+    "milk": "white",
+    "a tomato": "red",
+    "a cucumber": "green",
+    "a pumpkin": "orange",
+    "the sun": "yellow",
+    "a crow": "black",
+    "a fire truck": "red",
+    "a plum": "purple",
+    "an eggplant": "purple",
+    "chocolate": "brown",
+    "a polar bear": "white",
+    "a flamingo": "pink",
+    "a lime": "green",
+    "a cherry": "red",
+    "the sea": "blue",
+    "a blueberry": "blue",
+    "a lettuce leaf": "green",
+    "a swan": "white",
+    "a raven": "black",
+    "a grape": "purple",
+    "a pig": "pink",
+    "tree bark": "brown",
+    "a canary": "yellow",
+    "a ruby": "red",
+    "an emerald": "green",
+    "a sapphire": "blue",
+    "a penguin's belly": "white",
+    "a school bus": "yellow",
+    "a panda's ear": "black",
+    "a peach": "orange",
 }
 COLOUR_NAMES = sorted(set(COLOURS.values()) | {"grey", "gold", "silver"})
 
@@ -99,131 +162,435 @@ ANIMALS = {
 }
 
 CAPITALS = {
-    "France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid",
-    "Germany": "Berlin", "England": "London", "China": "Beijing",
-    "Russia": "Moscow", "Egypt": "Cairo", "Canada": "Ottawa",
-    "Australia": "Canberra", "Brazil": "Brasilia", "India": "New Delhi",
-    "Mexico": "Mexico City", "Kenya": "Nairobi", "Greece": "Athens",
-    "Portugal": "Lisbon", "Norway": "Oslo", "Sweden": "Stockholm",
-    "Finland": "Helsinki", "Ireland": "Dublin", "Poland": "Warsaw",
-    "Austria": "Vienna", "Peru": "Lima", "Argentina": "Buenos Aires",
-    "Chile": "Santiago", "Turkey": "Ankara", "Thailand": "Bangkok",
-    "Vietnam": "Hanoi", "South Korea": "Seoul", "Cuba": "Havana",
-    "Denmark": "Copenhagen", "Belgium": "Brussels", "Hungary": "Budapest",
-    "Iceland": "Reykjavik", "Morocco": "Rabat", "Nigeria": "Abuja",
-    "Ghana": "Accra", "Indonesia": "Jakarta", "the Netherlands": "Amsterdam",
+    "France": "Paris",
+    "Japan": "Tokyo",
+    "Italy": "Rome",
+    "Spain": "Madrid",
+    "Germany": "Berlin",
+    "England": "London",
+    "China": "Beijing",
+    "Russia": "Moscow",
+    "Egypt": "Cairo",
+    "Canada": "Ottawa",
+    "Australia": "Canberra",
+    "Brazil": "Brasilia",
+    "India": "New Delhi",
+    "Mexico": "Mexico City",
+    "Kenya": "Nairobi",
+    "Greece": "Athens",
+    "Portugal": "Lisbon",
+    "Norway": "Oslo",
+    "Sweden": "Stockholm",
+    "Finland": "Helsinki",
+    "Ireland": "Dublin",
+    "Poland": "Warsaw",
+    "Austria": "Vienna",
+    "Peru": "Lima",
+    "Argentina": "Buenos Aires",
+    "Chile": "Santiago",
+    "Turkey": "Ankara",
+    "Thailand": "Bangkok",
+    "Vietnam": "Hanoi",
+    "South Korea": "Seoul",
+    "Cuba": "Havana",
+    "Denmark": "Copenhagen",
+    "Belgium": "Brussels",
+    "Hungary": "Budapest",
+    "Iceland": "Reykjavik",
+    "Morocco": "Rabat",
+    "Nigeria": "Abuja",
+    "Ghana": "Accra",
+    "Indonesia": "Jakarta",
+    "the Netherlands": "Amsterdam",
 }
 
 OPPOSITES = {
-    "hot": "cold", "big": "small", "up": "down", "day": "night",
-    "happy": "sad", "fast": "slow", "old": "young", "open": "closed",
-    "wet": "dry", "light": "dark", "hard": "soft", "full": "empty",
-    "tall": "short", "loud": "quiet", "early": "late", "near": "far",
-    "left": "right", "rich": "poor", "strong": "weak", "clean": "dirty",
-    "inside": "outside", "heavy": "light", "thick": "thin", "first": "last",
-    "win": "lose", "push": "pull", "begin": "end", "true": "false",
+    "hot": "cold",
+    "big": "small",
+    "up": "down",
+    "day": "night",
+    "happy": "sad",
+    "fast": "slow",
+    "old": "young",
+    "open": "closed",
+    "wet": "dry",
+    "light": "dark",
+    "hard": "soft",
+    "full": "empty",
+    "tall": "short",
+    "loud": "quiet",
+    "early": "late",
+    "near": "far",
+    "left": "right",
+    "rich": "poor",
+    "strong": "weak",
+    "clean": "dirty",
+    "inside": "outside",
+    "heavy": "light",
+    "thick": "thin",
+    "first": "last",
+    "win": "lose",
+    "push": "pull",
+    "begin": "end",
+    "true": "false",
 }
 
 SHAPES = {
-    "triangle": 3, "square": 4, "rectangle": 4, "pentagon": 5,
-    "hexagon": 6, "heptagon": 7, "octagon": 8, "circle": 0,
+    "triangle": 3,
+    "square": 4,
+    "rectangle": 4,
+    "pentagon": 5,
+    "hexagon": 6,
+    "heptagon": 7,
+    "octagon": 8,
+    "circle": 0,
 }
 
 JOBS = {
-    "baker": "bakes bread and cakes", "doctor": "helps sick people get better",
-    "teacher": "helps children learn", "farmer": "grows food and looks after animals",
-    "firefighter": "puts out fires", "pilot": "flies aeroplanes",
-    "chef": "cooks food in a kitchen", "postman": "brings letters and parcels",
-    "dentist": "looks after our teeth", "builder": "builds houses and walls",
-    "gardener": "looks after plants and flowers", "painter": "paints pictures and walls",
-    "nurse": "cares for patients in a hospital", "librarian": "looks after books in a library",
-    "fisherman": "catches fish", "tailor": "makes and mends clothes",
-    "vet": "helps sick animals", "driver": "drives a bus or a car",
-    "police officer": "keeps people safe", "scientist": "does experiments to learn new things",
+    "baker": "bakes bread and cakes",
+    "doctor": "helps sick people get better",
+    "teacher": "helps children learn",
+    "farmer": "grows food and looks after animals",
+    "firefighter": "puts out fires",
+    "pilot": "flies aeroplanes",
+    "chef": "cooks food in a kitchen",
+    "postman": "brings letters and parcels",
+    "dentist": "looks after our teeth",
+    "builder": "builds houses and walls",
+    "gardener": "looks after plants and flowers",
+    "painter": "paints pictures and walls",
+    "nurse": "cares for patients in a hospital",
+    "librarian": "looks after books in a library",
+    "fisherman": "catches fish",
+    "tailor": "makes and mends clothes",
+    "vet": "helps sick animals",
+    "driver": "drives a bus or a car",
+    "police officer": "keeps people safe",
+    "scientist": "does experiments to learn new things",
 }
 
 BOY_NAMES = [
-    "Tom", "Ben", "Sam", "Max", "Leo", "Jack", "Noah", "Finn", "Oscar", "Theo",
-    "Hugo", "Oliver", "Jake", "Harry", "Charlie", "Henry", "Arthur", "Freddie",
-    "Alfie", "George", "Ethan", "Lucas", "Mason", "Liam", "Elijah", "James",
-    "Aiden", "Felix", "Jasper", "Milo", "Ezra", "Ravi", "Kenji", "Omar", "Diego",
-    "Mateo", "Ivan", "Kofi", "Wei", "Arjun", "Pablo", "Jonas", "Nils", "Tariq",
-    "Caleb", "Peter", "Toby", "Rufus", "Bruno", "Otto",
+    "Tom",
+    "Ben",
+    "Sam",
+    "Max",
+    "Leo",
+    "Jack",
+    "Noah",
+    "Finn",
+    "Oscar",
+    "Theo",
+    "Hugo",
+    "Oliver",
+    "Jake",
+    "Harry",
+    "Charlie",
+    "Henry",
+    "Arthur",
+    "Freddie",
+    "Alfie",
+    "George",
+    "Ethan",
+    "Lucas",
+    "Mason",
+    "Liam",
+    "Elijah",
+    "James",
+    "Aiden",
+    "Felix",
+    "Jasper",
+    "Milo",
+    "Ezra",
+    "Ravi",
+    "Kenji",
+    "Omar",
+    "Diego",
+    "Mateo",
+    "Ivan",
+    "Kofi",
+    "Wei",
+    "Arjun",
+    "Pablo",
+    "Jonas",
+    "Nils",
+    "Tariq",
+    "Caleb",
+    "Peter",
+    "Toby",
+    "Rufus",
+    "Bruno",
+    "Otto",
 ]
 GIRL_NAMES = [
-    "Lily", "Mia", "Anna", "Lucy", "Emma", "Ella", "Zoe", "Ruby", "Grace", "Ivy",
-    "Alice", "Chloe", "Sophie", "Daisy", "Rosie", "Molly", "Poppy", "Isla",
-    "Evie", "Amelia", "Maya", "Nora", "Hazel", "Clara", "Stella", "Violet",
-    "Luna", "Iris", "Willow", "Hannah", "Sara", "Priya", "Yuki", "Layla", "Sofia",
-    "Lena", "Olga", "Amara", "Mei", "Zara", "Elena", "Freya", "Astrid", "Nadia",
-    "Julia", "Wendy", "Holly", "Pippa", "Greta", "Heidi",
+    "Lily",
+    "Mia",
+    "Anna",
+    "Lucy",
+    "Emma",
+    "Ella",
+    "Zoe",
+    "Ruby",
+    "Grace",
+    "Ivy",
+    "Alice",
+    "Chloe",
+    "Sophie",
+    "Daisy",
+    "Rosie",
+    "Molly",
+    "Poppy",
+    "Isla",
+    "Evie",
+    "Amelia",
+    "Maya",
+    "Nora",
+    "Hazel",
+    "Clara",
+    "Stella",
+    "Violet",
+    "Luna",
+    "Iris",
+    "Willow",
+    "Hannah",
+    "Sara",
+    "Priya",
+    "Yuki",
+    "Layla",
+    "Sofia",
+    "Lena",
+    "Olga",
+    "Amara",
+    "Mei",
+    "Zara",
+    "Elena",
+    "Freya",
+    "Astrid",
+    "Nadia",
+    "Julia",
+    "Wendy",
+    "Holly",
+    "Pippa",
+    "Greta",
+    "Heidi",
 ]
 # Characters in stories are often animals; a name plus a kind reads naturally.
 PET_NAMES = [
-    "Pip", "Biscuit", "Whiskers", "Patch", "Button", "Pepper", "Ziggy",
-    "Bramble", "Nibbles", "Sunny", "Coco", "Fluffy", "Shadow", "Tiny",
-    "Bubbles", "Muffin", "Rascal", "Snowy", "Ginger", "Dotty", "Hopper",
-    "Clover", "Maple", "Pebble", "Acorn", "Toffee", "Puddle", "Sprout",
+    "Pip",
+    "Biscuit",
+    "Whiskers",
+    "Patch",
+    "Button",
+    "Pepper",
+    "Ziggy",
+    "Bramble",
+    "Nibbles",
+    "Sunny",
+    "Coco",
+    "Fluffy",
+    "Shadow",
+    "Tiny",
+    "Bubbles",
+    "Muffin",
+    "Rascal",
+    "Snowy",
+    "Ginger",
+    "Dotty",
+    "Hopper",
+    "Clover",
+    "Maple",
+    "Pebble",
+    "Acorn",
+    "Toffee",
+    "Puddle",
+    "Sprout",
 ]
 
 ADJECTIVES = [
-    "little", "brave", "curious", "kind", "shy", "clever", "happy", "sleepy",
-    "funny", "gentle", "tiny", "busy", "friendly", "quiet", "silly", "proud",
-    "helpful", "careful", "cheerful", "lazy", "playful", "wise", "young",
-    "grumpy", "polite", "fluffy", "speedy", "hungry", "noisy", "lonely",
+    "little",
+    "brave",
+    "curious",
+    "kind",
+    "shy",
+    "clever",
+    "happy",
+    "sleepy",
+    "funny",
+    "gentle",
+    "tiny",
+    "busy",
+    "friendly",
+    "quiet",
+    "silly",
+    "proud",
+    "helpful",
+    "careful",
+    "cheerful",
+    "lazy",
+    "playful",
+    "wise",
+    "young",
+    "grumpy",
+    "polite",
+    "fluffy",
+    "speedy",
+    "hungry",
+    "noisy",
+    "lonely",
 ]
 
 PLACES = [
-    "a small village", "a big city", "a quiet forest", "a sunny meadow",
-    "a green valley", "a cosy cottage", "a tall tower", "a busy farm",
-    "a sandy beach", "a snowy mountain", "a little house by the river",
-    "an old castle", "a bright garden", "a noisy town", "a hidden cave",
-    "a wide field", "a blue lake", "a wooden cabin", "a busy harbour",
+    "a small village",
+    "a big city",
+    "a quiet forest",
+    "a sunny meadow",
+    "a green valley",
+    "a cosy cottage",
+    "a tall tower",
+    "a busy farm",
+    "a sandy beach",
+    "a snowy mountain",
+    "a little house by the river",
+    "an old castle",
+    "a bright garden",
+    "a noisy town",
+    "a hidden cave",
+    "a wide field",
+    "a blue lake",
+    "a wooden cabin",
+    "a busy harbour",
     "a peaceful island",
 ]
 
 LANDMARKS = [
-    "big oak tree", "old bridge", "river", "garden gate", "pond", "hill",
-    "school", "market", "library", "park bench", "well", "fence", "barn",
-    "lighthouse", "playground", "bakery", "station", "fountain", "haystack",
+    "big oak tree",
+    "old bridge",
+    "river",
+    "garden gate",
+    "pond",
+    "hill",
+    "school",
+    "market",
+    "library",
+    "park bench",
+    "well",
+    "fence",
+    "barn",
+    "lighthouse",
+    "playground",
+    "bakery",
+    "station",
+    "fountain",
+    "haystack",
     "mailbox",
 ]
 
 OBJECTS = [
-    "ball", "kite", "box", "hat", "key", "book", "shell", "stone", "feather",
-    "cup", "spoon", "sock", "scarf", "map", "bell", "drum", "flower", "leaf",
-    "button", "ribbon", "marble", "coin", "boat", "balloon", "candle",
-    "basket", "blanket", "brush", "bucket", "umbrella", "lantern", "whistle",
-    "teddy bear", "toy car", "crayon", "pencil", "jar", "rope", "ring", "star",
+    "ball",
+    "kite",
+    "box",
+    "hat",
+    "key",
+    "book",
+    "shell",
+    "stone",
+    "feather",
+    "cup",
+    "spoon",
+    "sock",
+    "scarf",
+    "map",
+    "bell",
+    "drum",
+    "flower",
+    "leaf",
+    "button",
+    "ribbon",
+    "marble",
+    "coin",
+    "boat",
+    "balloon",
+    "candle",
+    "basket",
+    "blanket",
+    "brush",
+    "bucket",
+    "umbrella",
+    "lantern",
+    "whistle",
+    "teddy bear",
+    "toy car",
+    "crayon",
+    "pencil",
+    "jar",
+    "rope",
+    "ring",
+    "star",
 ]
 
 FOODS = [
-    "apples", "pears", "cookies", "cherries", "carrots", "eggs", "cakes",
-    "plums", "nuts", "berries", "lemons", "muffins", "grapes", "oranges",
-    "bananas", "sweets", "peaches", "potatoes", "tomatoes", "biscuits",
+    "apples",
+    "pears",
+    "cookies",
+    "cherries",
+    "carrots",
+    "eggs",
+    "cakes",
+    "plums",
+    "nuts",
+    "berries",
+    "lemons",
+    "muffins",
+    "grapes",
+    "oranges",
+    "bananas",
+    "sweets",
+    "peaches",
+    "potatoes",
+    "tomatoes",
+    "biscuits",
 ]
 
 ACTIVITIES = [
-    "play in the garden", "read books", "sing songs", "run in the park",
-    "draw pictures", "climb trees", "swim in the lake", "bake cakes",
-    "watch the clouds", "count the stars", "pick flowers", "build sandcastles",
-    "ride a bike", "fly a kite", "play hide and seek", "dance in the rain",
-    "collect shells", "plant seeds", "jump in puddles", "feed the ducks",
+    "play in the garden",
+    "read books",
+    "sing songs",
+    "run in the park",
+    "draw pictures",
+    "climb trees",
+    "swim in the lake",
+    "bake cakes",
+    "watch the clouds",
+    "count the stars",
+    "pick flowers",
+    "build sandcastles",
+    "ride a bike",
+    "fly a kite",
+    "play hide and seek",
+    "dance in the rain",
+    "collect shells",
+    "plant seeds",
+    "jump in puddles",
+    "feed the ducks",
 ]
 
 EMOTIONS = [
-    "happy", "surprised", "excited", "proud", "curious", "glad", "amazed",
-    "delighted", "thankful", "joyful",
+    "happy",
+    "surprised",
+    "excited",
+    "proud",
+    "curious",
+    "glad",
+    "amazed",
+    "delighted",
+    "thankful",
+    "joyful",
 ]
 
 WEATHER = ["sunny", "rainy", "windy", "snowy", "cloudy", "foggy", "stormy", "warm", "cold"]
 WEATHER_CITIES = sorted(CAPITALS.values())
 
 ASSISTANT_NAME = "MiniMind"
-IDENTITY = (
-    "I am MiniMind, a small language model. I can answer simple questions "
-    "and tell short stories."
-)
+IDENTITY = "I am MiniMind, a small language model. I can answer simple questions and tell short stories."
 SYSTEM_PROMPTS = [
     "You are MiniMind, a helpful assistant.",
     "You are MiniMind, a small and friendly AI assistant. Answer briefly.",
@@ -257,6 +624,7 @@ def plural_s(n: int, word: str) -> str:
 # pretraining text uses the answers, the chats use both.
 # --------------------------------------------------------------------------
 
+
 def arithmetic_fact(rng: random.Random) -> tuple[str, str]:
     op = rng.choice(["plus", "minus", "times"])
     if op == "plus":
@@ -269,10 +637,14 @@ def arithmetic_fact(rng: random.Random) -> tuple[str, str]:
     else:
         a, b = rng.randint(0, 10), rng.randint(0, 10)
         result = a * b
-    question = rng.choice([
-        f"What is {a} {op} {b}?", f"How much is {a} {op} {b}?",
-        f"Can you tell me what {a} {op} {b} is?", f"{a} {op} {b} = ?",
-    ])
+    question = rng.choice(
+        [
+            f"What is {a} {op} {b}?",
+            f"How much is {a} {op} {b}?",
+            f"Can you tell me what {a} {op} {b} is?",
+            f"{a} {op} {b} = ?",
+        ]
+    )
     return question, f"{a} {op} {b} is {result}."
 
 
@@ -299,11 +671,9 @@ def day_fact(rng: random.Random) -> tuple[str, str]:
     i = rng.randrange(7)
     kind = rng.randrange(3)
     if kind == 0:
-        return (f"What day comes after {DAYS[i]}?",
-                f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}.")
+        return (f"What day comes after {DAYS[i]}?", f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}.")
     if kind == 1:
-        return (f"What day comes before {DAYS[i]}?",
-                f"The day before {DAYS[i]} is {DAYS[(i - 1) % 7]}.")
+        return (f"What day comes before {DAYS[i]}?", f"The day before {DAYS[i]} is {DAYS[(i - 1) % 7]}.")
     return "How many days are in a week?", "There are 7 days in a week."
 
 
@@ -311,14 +681,11 @@ def month_fact(rng: random.Random) -> tuple[str, str]:
     i = rng.randrange(12)
     kind = rng.randrange(4)
     if kind == 0:
-        return (f"What month comes after {MONTHS[i]}?",
-                f"The month after {MONTHS[i]} is {MONTHS[(i + 1) % 12]}.")
+        return (f"What month comes after {MONTHS[i]}?", f"The month after {MONTHS[i]} is {MONTHS[(i + 1) % 12]}.")
     if kind == 1:
-        return (f"Which month of the year is {MONTHS[i]}?",
-                f"{MONTHS[i]} is month number {i + 1} of the year.")
+        return (f"Which month of the year is {MONTHS[i]}?", f"{MONTHS[i]} is month number {i + 1} of the year.")
     if kind == 2:
-        return (f"In which season is {MONTHS[i]}?",
-                f"{MONTHS[i]} is in {SEASON_OF_MONTH[MONTHS[i]]}.")
+        return (f"In which season is {MONTHS[i]}?", f"{MONTHS[i]} is in {SEASON_OF_MONTH[MONTHS[i]]}.")
     return "How many months are in a year?", "There are 12 months in a year."
 
 
@@ -339,14 +706,12 @@ def animal_fact(rng: random.Random) -> tuple[str, str]:
 
 def capital_fact(rng: random.Random) -> tuple[str, str]:
     country = rng.choice(list(CAPITALS))
-    return (f"What is the capital of {country}?",
-            f"The capital of {country} is {CAPITALS[country]}.")
+    return (f"What is the capital of {country}?", f"The capital of {country} is {CAPITALS[country]}.")
 
 
 def opposite_fact(rng: random.Random) -> tuple[str, str]:
     word = rng.choice(list(OPPOSITES))
-    return (f"What is the opposite of {word}?",
-            f"The opposite of {word} is {OPPOSITES[word]}.")
+    return (f"What is the opposite of {word}?", f"The opposite of {word} is {OPPOSITES[word]}.")
 
 
 def shape_fact(rng: random.Random) -> tuple[str, str]:
@@ -363,9 +728,19 @@ def job_fact(rng: random.Random) -> tuple[str, str]:
 
 
 FACT_TOPICS = [
-    arithmetic_fact, arithmetic_fact, arithmetic_fact, number_fact,
-    colour_fact, day_fact, month_fact, animal_fact, animal_fact,
-    capital_fact, opposite_fact, shape_fact, job_fact,
+    arithmetic_fact,
+    arithmetic_fact,
+    arithmetic_fact,
+    number_fact,
+    colour_fact,
+    day_fact,
+    month_fact,
+    animal_fact,
+    animal_fact,
+    capital_fact,
+    opposite_fact,
+    shape_fact,
+    job_fact,
 ]
 
 
@@ -388,11 +763,61 @@ def fact_paragraph(rng: random.Random) -> str:
 # (and so the tokenizer) enough distinct words to fill a 6400-token vocabulary,
 # and each is repeated inside its story, which teaches copying from context.
 SYLLABLES = [
-    "ba", "be", "bo", "da", "di", "do", "fa", "fi", "ga", "go", "ka", "ki",
-    "ko", "la", "li", "lo", "lu", "ma", "mi", "mo", "na", "ni", "no", "pa",
-    "pe", "ra", "ri", "ro", "ru", "sa", "se", "si", "ta", "te", "to", "va",
-    "vi", "za", "zo", "zu", "bel", "dor", "fen", "gar", "kin", "lan", "mor",
-    "nim", "por", "quin", "sol", "tam", "vin", "wen", "yor",
+    "ba",
+    "be",
+    "bo",
+    "da",
+    "di",
+    "do",
+    "fa",
+    "fi",
+    "ga",
+    "go",
+    "ka",
+    "ki",
+    "ko",
+    "la",
+    "li",
+    "lo",
+    "lu",
+    "ma",
+    "mi",
+    "mo",
+    "na",
+    "ni",
+    "no",
+    "pa",
+    "pe",
+    "ra",
+    "ri",
+    "ro",
+    "ru",
+    "sa",
+    "se",
+    "si",
+    "ta",
+    "te",
+    "to",
+    "va",
+    "vi",
+    "za",
+    "zo",
+    "zu",
+    "bel",
+    "dor",
+    "fen",
+    "gar",
+    "kin",
+    "lan",
+    "mor",
+    "nim",
+    "por",
+    "quin",
+    "sol",
+    "tam",
+    "vin",
+    "wen",
+    "yor",
 ]
 LAND_ENDINGS = ["ia", "land", "vale", "wood", "shire", "mar", "dell", "holm"]
 FANTASY_KINDS = ["dragon", "wizard", "fairy", "giant", "elf", "troll", "unicorn", "knight", "princess", "prince"]
@@ -408,16 +833,18 @@ def fantasy_story(rng: random.Random) -> str:
     kind, friend_kind = rng.choice(FANTASY_KINDS), rng.choice(FANTASY_KINDS)
     obj, colour = rng.choice(OBJECTS), rng.choice(COLOUR_NAMES)
     a, b = rng.randint(2, 9), rng.randint(1, 9)
-    return " ".join([
-        f"Far away, in the land of {land}, there lived {article(rng.choice(ADJECTIVES))} {kind} named {name}.",
-        f"Every morning, {name} walked to the {rng.choice(LANDMARKS)} of {land}.",
-        f"One day, {name} found a {colour} {obj} that could talk.",
-        f"\"Please take me to {friend} the {friend_kind},\" said the {obj}.",
-        f"So {name} walked for {a} days, and then for {b} more days.",
-        f"After {a + b} days, because {a} plus {b} is {a + b}, {name} met {friend}.",
-        f"{friend} was {rng.choice(EMOTIONS)} to see the {colour} {obj} again.",
-        f"{name} and {friend} became good friends, and {land} was happy for ever.",
-    ])
+    return " ".join(
+        [
+            f"Far away, in the land of {land}, there lived {article(rng.choice(ADJECTIVES))} {kind} named {name}.",
+            f"Every morning, {name} walked to the {rng.choice(LANDMARKS)} of {land}.",
+            f"One day, {name} found a {colour} {obj} that could talk.",
+            f'"Please take me to {friend} the {friend_kind}," said the {obj}.',
+            f"So {name} walked for {a} days, and then for {b} more days.",
+            f"After {a + b} days, because {a} plus {b} is {a + b}, {name} met {friend}.",
+            f"{friend} was {rng.choice(EMOTIONS)} to see the {colour} {obj} again.",
+            f"{name} and {friend} became good friends, and {land} was happy for ever.",
+        ]
+    )
 
 
 def make_character(rng: random.Random) -> dict:
@@ -430,7 +857,9 @@ def make_character(rng: random.Random) -> dict:
         kind = rng.choice(list(ANIMALS))
         pronoun = rng.choice(["he", "she"])
     return {
-        "name": name, "kind": kind, "he": pronoun,
+        "name": name,
+        "kind": kind,
+        "he": pronoun,
         "his": "his" if pronoun == "he" else "her",
         "adj": rng.choice(ADJECTIVES),
     }
@@ -470,8 +899,8 @@ def story_friend(rng: random.Random, hero: dict) -> list[str]:
     activity = rng.choice(ACTIVITIES)
     return [
         f"One morning, {hero['name']} met {friend['name']}, a {friend['adj']} {friend['kind']}.",
-        f"\"Do you want to {activity} with me?\" asked {hero['name']}.",
-        f"\"Yes, please!\" said {friend['name']}.",
+        f'"Do you want to {activity} with me?" asked {hero["name"]}.',
+        f'"Yes, please!" said {friend["name"]}.',
         f"So they went to {activity} together, and they had a lot of fun.",
         f"From that day on, {hero['name']} and {friend['name']} were best friends.",
     ]
@@ -502,8 +931,8 @@ def story_helping(rng: random.Random, hero: dict) -> list[str]:
     return [
         f"{hero['name']} saw {article(job)} who looked tired.",
         f"{cap(article(job))} {JOBS[job]}, and that is hard work.",
-        f"\"Can I help you?\" asked {hero['name']}.",
-        f"The {job} smiled and said, \"Thank you, that is very kind.\"",
+        f'"Can I help you?" asked {hero["name"]}.',
+        f'The {job} smiled and said, "Thank you, that is very kind."',
         f"Helping others made {hero['name']} feel {rng.choice(EMOTIONS)}.",
     ]
 
@@ -515,20 +944,26 @@ def story(rng: random.Random) -> str:
     hero = make_character(rng)
     place = rng.choice(PLACES)
     lines = [
-        rng.choice([
-            f"Once upon a time, there was a {hero['adj']} {hero['kind']} named {hero['name']}.",
-            f"There once was a {hero['adj']} {hero['kind']} called {hero['name']}.",
-            f"{hero['name']} was a {hero['adj']} {hero['kind']}.",
-        ]),
+        rng.choice(
+            [
+                f"Once upon a time, there was a {hero['adj']} {hero['kind']} named {hero['name']}.",
+                f"There once was a {hero['adj']} {hero['kind']} called {hero['name']}.",
+                f"{hero['name']} was a {hero['adj']} {hero['kind']}.",
+            ]
+        ),
         f"{cap(hero['he'])} lived in {place} and liked to {rng.choice(ACTIVITIES)}.",
     ]
     for middle in rng.sample(STORY_MIDDLES, rng.randint(1, 2)):
         lines += middle(rng, hero)
-    lines.append(rng.choice([
-        "The end.",
-        f"That night, {hero['name']} went to sleep with a big smile.",
-        f"And {hero['name']} lived happily ever after.",
-    ]))
+    lines.append(
+        rng.choice(
+            [
+                "The end.",
+                f"That night, {hero['name']} went to sleep with a big smile.",
+                f"And {hero['name']} lived happily ever after.",
+            ]
+        )
+    )
     return " ".join(lines)
 
 
@@ -542,8 +977,11 @@ GREETINGS = [
     ("Good morning!", "Good morning! How can I help you?"),
     ("Who are you?", IDENTITY),
     ("What is your name?", "My name is MiniMind."),
-    ("What can you do?", "I can answer simple questions about numbers, colours, animals, "
-                         "days, months and countries, and I can tell short stories."),
+    (
+        "What can you do?",
+        "I can answer simple questions about numbers, colours, animals, "
+        "days, months and countries, and I can tell short stories.",
+    ),
     ("Thank you!", "You are welcome!"),
     ("Thanks for your help.", "You are welcome! Have a nice day."),
     ("Goodbye!", "Goodbye! Have a nice day."),
@@ -551,8 +989,10 @@ GREETINGS = [
 ]
 
 STORY_REQUESTS = [
-    "Tell me a short story.", "Can you tell me a story?",
-    "Please tell me a story for children.", "I would like to hear a short story.",
+    "Tell me a short story.",
+    "Can you tell me a story?",
+    "Please tell me a story for children.",
+    "I would like to hear a short story.",
 ]
 
 
@@ -574,8 +1014,7 @@ def sft_conversation(rng: random.Random) -> list[dict]:
     # Mostly single-turn; some multi-turn so the model sees history.
     for _ in range(rng.choices([1, 2, 3], weights=[6, 3, 1])[0]):
         question, answer = single_qa(rng)
-        messages += [{"role": "user", "content": question},
-                     {"role": "assistant", "content": answer}]
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return messages
 
 
@@ -634,10 +1073,14 @@ def tool_conversation(rng: random.Random) -> dict:
 def wrong_answer(rng: random.Random, answer: str) -> str:
     """A plausible but wrong or unhelpful reply, for the DPO 'rejected' side."""
     if rng.random() < 0.25:
-        return rng.choice([
-            "I don't know.", "That is a silly question.",
-            "I don't want to answer that.", "Why do you ask? Go and look it up yourself.",
-        ])
+        return rng.choice(
+            [
+                "I don't know.",
+                "That is a silly question.",
+                "I don't want to answer that.",
+                "Why do you ask? Go and look it up yourself.",
+            ]
+        )
     words = answer.rstrip(".").split(" ")
     # Prefer changing the last number; otherwise swap the last word for another
     # of the same sort (a colour for a colour, a day for a day, ...).
@@ -648,15 +1091,22 @@ def wrong_answer(rng: random.Random, answer: str) -> str:
         words[i] = str(n + (rng.choice([-3, -2, -1, 1, 2, 3]) if n > 3 else rng.randint(1, 5)))
     else:
         last = words[-1]
-        pools = [COLOUR_NAMES, DAYS, MONTHS, list(CAPITALS.values()), list(OPPOSITES.values()),
-                 NUMBER_WORDS, ["even", "odd"], ["winter", "spring", "summer", "autumn"]]
+        pools = [
+            COLOUR_NAMES,
+            DAYS,
+            MONTHS,
+            list(CAPITALS.values()),
+            list(OPPOSITES.values()),
+            NUMBER_WORDS,
+            ["even", "odd"],
+            ["winter", "spring", "summer", "autumn"],
+        ]
         for pool in pools:
             if last in pool:
                 words[-1] = rng.choice([w for w in pool if w != last])
                 break
         else:
-            return rng.choice(["I don't know.", "That is not something I can answer.",
-                               "Bananas are purple."])
+            return rng.choice(["I don't know.", "That is not something I can answer.", "Bananas are purple."])
     return " ".join(words) + "."
 
 
@@ -680,6 +1130,7 @@ def dpo_pair(rng: random.Random) -> dict:
 # teach.
 # --------------------------------------------------------------------------
 
+
 def _counting(start: int, steps: int, direction: int) -> str:
     return ", ".join(str(start + direction * k) for k in range(1, steps + 1))
 
@@ -691,11 +1142,12 @@ def plus_reasoning(rng: random.Random) -> tuple[str, str, str]:
     elif b <= 5:
         thought = f"Start at {a} and count on {b}: {_counting(a, b, 1)}. The last number is {a + b}."
     elif b < 10:
-        thought = (f"{a} plus 10 is {a + 10}. {b} is {10 - b} less than 10, so take {10 - b} away: "
-                   f"{a + 10} minus {10 - b} is {a + b}.")
+        thought = (
+            f"{a} plus 10 is {a + 10}. {b} is {10 - b} less than 10, so take {10 - b} away: "
+            f"{a + 10} minus {10 - b} is {a + b}."
+        )
     else:
-        thought = (f"Split {b} into 10 and {b - 10}. {a} plus 10 is {a + 10}, "
-                   f"and {a + 10} plus {b - 10} is {a + b}.")
+        thought = f"Split {b} into 10 and {b - 10}. {a} plus 10 is {a + 10}, and {a + 10} plus {b - 10} is {a + b}."
     return f"What is {a} plus {b}?", thought, f"{a} plus {b} is {a + b}."
 
 
@@ -707,8 +1159,7 @@ def minus_reasoning(rng: random.Random) -> tuple[str, str, str]:
     elif b <= 5:
         thought = f"Start at {a} and count back {b}: {_counting(a, b, -1)}. The last number is {a - b}."
     else:
-        thought = (f"Which number plus {b} makes {a}? {b} plus {a - b} is {a}, "
-                   f"so {a} minus {b} is {a - b}.")
+        thought = f"Which number plus {b} makes {a}? {b} plus {a - b} is {a}, so {a} minus {b} is {a - b}."
     return f"How much is {a} minus {b}?", thought, f"{a} minus {b} is {a - b}."
 
 
@@ -727,28 +1178,40 @@ def parity_reasoning(rng: random.Random) -> tuple[str, str, str]:
     n = rng.randint(0, 19)
     digit = n % 10
     parity = "even" if n % 2 == 0 else "odd"
-    thought = (f"A number is even when its last digit is 0, 2, 4, 6 or 8. The last digit of {n} is {digit}, "
-               f"which is {parity}.")
+    thought = (
+        f"A number is even when its last digit is 0, 2, 4, 6 or 8. The last digit of {n} is {digit}, "
+        f"which is {parity}."
+    )
     return f"Is {n} odd or even?", thought, f"{n} is an {parity} number."
 
 
 def day_reasoning(rng: random.Random) -> tuple[str, str, str]:
     i = rng.randrange(7)
-    thought = (f"The week goes {', '.join(DAYS)}, and then starts again. "
-               f"{DAYS[i]} is day {i + 1}, so the next one is {DAYS[(i + 1) % 7]}.")
+    thought = (
+        f"The week goes {', '.join(DAYS)}, and then starts again. "
+        f"{DAYS[i]} is day {i + 1}, so the next one is {DAYS[(i + 1) % 7]}."
+    )
     return f"What day comes after {DAYS[i]}?", thought, f"The day after {DAYS[i]} is {DAYS[(i + 1) % 7]}."
 
 
 def season_reasoning(rng: random.Random) -> tuple[str, str, str]:
     month = rng.choice(MONTHS)
     season = SEASON_OF_MONTH[month]
-    thought = ("Winter is December, January and February; spring is March, April and May; summer is June, "
-               f"July and August; autumn is September, October and November. {month} is in the {season} group.")
+    thought = (
+        "Winter is December, January and February; spring is March, April and May; summer is June, "
+        f"July and August; autumn is September, October and November. {month} is in the {season} group."
+    )
     return f"In which season is {month}?", thought, f"{month} is in {season}."
 
 
-REASONING_TOPICS = [plus_reasoning, minus_reasoning, times_reasoning, parity_reasoning, day_reasoning,
-                    season_reasoning]
+REASONING_TOPICS = [
+    plus_reasoning,
+    minus_reasoning,
+    times_reasoning,
+    parity_reasoning,
+    day_reasoning,
+    season_reasoning,
+]
 
 
 def reasoning_conversation(rng: random.Random) -> list[dict]:
@@ -761,8 +1224,10 @@ def reasoning_conversation(rng: random.Random) -> list[dict]:
         # the prompt, so these teach the model to answer straight after it.
         if rng.random() < 0.15:
             thought = ""
-        messages += [{"role": "user", "content": question},
-                     {"role": "assistant", "content": answer, "reasoning_content": thought}]
+        messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer, "reasoning_content": thought},
+        ]
     return messages
 
 
@@ -774,6 +1239,7 @@ def reasoning_rows(rng: random.Random, n: int):
 # --------------------------------------------------------------------------
 # Output.
 # --------------------------------------------------------------------------
+
 
 def write_jsonl(path: Path, rows) -> tuple[int, int]:
     """Write rows as UTF-8 JSON lines; return (lines, bytes)."""

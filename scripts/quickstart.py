@@ -17,8 +17,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
-    config = MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                            num_attention_heads=8, num_key_value_heads=2)
+    config = MiniMindConfig(
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     model = MiniMindForCausalLM(config)
     print(f"built MiniMind: {sum(p.numel() for p in model.parameters()):,} parameters")
     model.save_pretrained(args.output_dir)

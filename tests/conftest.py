@@ -37,8 +37,13 @@ def pytest_configure(config):
 # The modules that take longest (50-150 s each on 2 cores, more with a cold inductor cache: compiled decoding and its
 # kernels, every documented command, the browser, the peers' table) start first, so that `make test`'s workers, which
 # take one module at a time in collection order, finish together instead of one starting a long module last.
-LONGEST_MODULES = ("test_decode.py", "test_decode_kernels.py", "test_docs.py", "test_web.py",
-                   "test_benchmark_peers.py")
+LONGEST_MODULES = (
+    "test_decode.py",
+    "test_decode_kernels.py",
+    "test_docs.py",
+    "test_web.py",
+    "test_benchmark_peers.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,8 +54,16 @@ def tiny_config(**overrides):
     """A ~100k-parameter MiniMind config: fast on 2 cores, every code path present (GQA, q/k norm)."""
     from configuration_minimind import MiniMindConfig
 
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0)
+    base = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+    )
     base.update(overrides)
     return MiniMindConfig(**base)
 
@@ -115,14 +128,19 @@ def plant_code_dir(path, model_type="planted", marker=None):
 
     path, marker = Path(path), Path(marker or Path(path) / "RAN")
     path.mkdir(parents=True, exist_ok=True)
-    (path / "planted.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
-                                     "from transformers import PretrainedConfig, PreTrainedModel\n"
-                                     "class PlantedConfig(PretrainedConfig):\n"
-                                     f"    model_type = {model_type!r}\n"
-                                     "class PlantedModel(PreTrainedModel):\n"
-                                     "    config_class = PlantedConfig\n")
+    (path / "planted.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PretrainedConfig, PreTrainedModel\n"
+        "class PlantedConfig(PretrainedConfig):\n"
+        f"    model_type = {model_type!r}\n"
+        "class PlantedModel(PreTrainedModel):\n"
+        "    config_class = PlantedConfig\n"
+    )
     auto_map = {"AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedModel"}
     (path / "config.json").write_text(json.dumps({"model_type": model_type, "auto_map": auto_map}))
-    (path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PlantedTokenizer", "auto_map": {"AutoTokenizer": ["planted.PlantedTokenizer", None]}}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PlantedTokenizer", "auto_map": {"AutoTokenizer": ["planted.PlantedTokenizer", None]}}
+        )
+    )
     return marker

@@ -4,10 +4,17 @@ pairing and the KV-cache byte count. No timing is asserted: the machine is share
 import pytest
 import torch
 
-from minimind.benchmark import (TABLE_COLUMNS, BenchmarkSettings, build_pair, default_workloads,
-                                matmul_params_per_token, model_shapes, run_benchmark, select_workloads)
-
 from conftest import load_script
+from minimind.benchmark import (
+    TABLE_COLUMNS,
+    BenchmarkSettings,
+    build_pair,
+    default_workloads,
+    matmul_params_per_token,
+    model_shapes,
+    run_benchmark,
+    select_workloads,
+)
 
 
 def _table_rows(markdown):
@@ -67,20 +74,26 @@ def test_flop_count_covers_every_decoder_weight():
 def test_rows_filter_takes_globs_and_rejects_unknown_rows():
     rows = default_workloads(quick=True, device_type="cpu")
     assert {w.row_id for w in select_workloads(rows, ["decode-static-*"])} == {
-        "decode-static-b1-64M", "decode-static-b8-64M", "decode-static-compile-b1-64M"}
+        "decode-static-b1-64M",
+        "decode-static-b8-64M",
+        "decode-static-compile-b1-64M",
+    }
     with pytest.raises(ValueError, match="match no row"):
         select_workloads(rows, ["no-such-row"])
 
 
 def test_profile_logs_op_tables_and_a_partial_report_follows_each_row():
     logged, partial = [], []
-    settings = BenchmarkSettings(device="cpu", quick=True, rows=["decode-dynamic-b1-64M", "prefill-*"],
-                                 profile=["prefill-*"])
+    settings = BenchmarkSettings(
+        device="cpu", quick=True, rows=["decode-dynamic-b1-64M", "prefill-*"], profile=["prefill-*"]
+    )
     report = run_benchmark(settings, log=logged.append, on_row=partial.append)
     assert [w.workload.row_id for w in report.rows] == ["prefill-512-64M", "decode-dynamic-b1-64M"]
     # After the first of the two rows; the last row's report is the final one.
     assert [len(r.rows) for r in partial] == [1] and "- partial: 1 of 2 rows" in partial[0].markdown()
     profiles = [line for line in logged if line.startswith("profile of")]
-    assert [p.split(":")[0] for p in profiles] == ["profile of prefill-512-64M, ours",
-                                                   "profile of prefill-512-64M, native"]
+    assert [p.split(":")[0] for p in profiles] == [
+        "profile of prefill-512-64M, ours",
+        "profile of prefill-512-64M, native",
+    ]
     assert all("aten::mm" in p and "# of Calls" in p for p in profiles)

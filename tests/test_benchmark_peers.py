@@ -6,15 +6,37 @@ import os
 import pytest
 import torch
 
-from minimind.benchmark import (FP32_PRODUCTS, PEER_BATCH, PEER_COLUMNS, PEER_OUTTYPES, PEER_PROMPT, BenchmarkSettings,
-                                PeerContext, PeerRow, PeersReport, PeerWorkload, PreparedPeer, paired_ratio,
-                                time_in_rounds, amx_int8, decode_matrices, gguf_matrix_bytes, int8_missing,
-                                llama_cpp_missing, matmul_params_per_token, peer_workloads, peers_section_of,
-                                run_benchmark, select_workloads, serving_missing, splice_peers, weight_bytes_per_token)
+from conftest import ROOT, TOKENIZER_DIR, load_script, tiny_model
+from minimind.benchmark import (
+    FP32_PRODUCTS,
+    PEER_BATCH,
+    PEER_COLUMNS,
+    PEER_OUTTYPES,
+    PEER_PROMPT,
+    BenchmarkSettings,
+    PeerContext,
+    PeerRow,
+    PeersReport,
+    PeerWorkload,
+    PreparedPeer,
+    amx_int8,
+    decode_matrices,
+    gguf_matrix_bytes,
+    int8_missing,
+    llama_cpp_missing,
+    matmul_params_per_token,
+    paired_ratio,
+    peer_workloads,
+    peers_section_of,
+    run_benchmark,
+    select_workloads,
+    serving_missing,
+    splice_peers,
+    time_in_rounds,
+    weight_bytes_per_token,
+)
 from minimind.data import build_dataset
 from minimind.decode import fp32_product_kernel
-
-from conftest import ROOT, TOKENIZER_DIR, load_script, tiny_model
 
 MAIN_PART = "# MiniMind vs transformers' Qwen3 / Qwen3-MoE\n\n## Results\n\n| row |\n|---|\n| kept |\n"
 
@@ -30,8 +52,7 @@ def peers_run(tmp_path_factory):
     """The command as a user runs it, into a file that already holds the main table."""
     output = tmp_path_factory.mktemp("peers") / "benchmarks.md"
     output.write_text(MAIN_PART)
-    report = load_script("benchmark").main(["--quick", "--device", "cpu", "--table", "peers", "--output",
-                                            str(output)])
+    report = load_script("benchmark").main(["--quick", "--device", "cpu", "--table", "peers", "--output", str(output)])
     return report, output.read_text()
 
 
@@ -60,8 +81,9 @@ def test_llama_cpp_rows_run_or_say_why_not(peers_run):
         if missing:
             assert r["notes"] == "skipped: " + missing
         elif r["weights"] == "q8_0" and amx_int8():  # runs on llama.cpp's plain CPU kernels
-            assert r["notes"] == ("n_threads 1; extra buffer types off (AMX-INT8 q8_0 kernels segfault: "
-                                  "ggml-org/llama.cpp#20824)")
+            assert r["notes"] == (
+                "n_threads 1; extra buffer types off (AMX-INT8 q8_0 kernels segfault: ggml-org/llama.cpp#20824)"
+            )
             assert float(r["tok/s"].replace(",", "")) > 0
         else:
             assert r["notes"] == "n_threads 1" and float(r["tok/s"].replace(",", "")) > 0
@@ -81,16 +103,22 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
     assert decode["peers-decode-b8-minimind-fp32"]["greedy tokens = MiniMind fp32"] == "64 / 64"
     assert decode["peers-decode-b8-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "64 / 64"
     batched = report.row("peers-decode-b8-minimind-compiled-fp32").note
-    assert ("with freezing, merged projections, oneDNN-packed weights, grouped-query attention over the written "
-            "cache, compiled in" in batched)
+    assert (
+        "with freezing, merged projections, oneDNN-packed weights, grouped-query attention over the written "
+        "cache, compiled in" in batched
+    )
     assert batched.endswith("greedy tokens = plain fp32 generate: 64 / 64")
     # The compiled fp32 path gives generate's tokens; each compiled row says how many it shares with plain
     # generate at its own precision and how long compilation took.
     assert decode["peers-decode-minimind-compiled-fp32"]["greedy tokens = MiniMind fp32"] == "8 / 8"
-    assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith("greedy tokens = plain fp32 generate: 8 / 8")
+    assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith(
+        "greedy tokens = plain fp32 generate: 8 / 8"
+    )
     one_row = FP32_PRODUCTS[fp32_product_kernel(1)]  # this CPU maker's kernel
-    assert (f"torch.compile with freezing, merged projections, {one_row}, grouped-query attention "
-            "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note)
+    assert (
+        f"torch.compile with freezing, merged projections, {one_row}, grouped-query attention "
+        "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note
+    )
     # Quick mode compiles fp32 steps only: the 16-bit and int8 rows run the same decoder's steps eagerly, at both
     # batch sizes, each checked against generate at its own precision.
     for weights in ("bf16", "int8"):
@@ -99,10 +127,13 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
             if weights == "int8" and int8_missing():
                 assert row.skipped == int8_missing()
                 continue
-            assert row.note.startswith("CompiledDecoder: static cache, steps run eagerly (quick mode), grouped-query "
-                                       f"attention over the written cache; greedy tokens = plain {weights} generate: ")
+            assert row.note.startswith(
+                "CompiledDecoder: static cache, steps run eagerly (quick mode), grouped-query "
+                f"attention over the written cache; greedy tokens = plain {weights} generate: "
+            )
             assert row.note.endswith(f" / {8 * (PEER_BATCH if batch else 1)}")
     if not llama_cpp_missing():
+
         def ratio_line(ours, theirs):
             a, b = report.row(ours), report.row(theirs)
             (ours_seconds,), (theirs_seconds,) = a.seconds, b.seconds  # quick mode: one round
@@ -139,11 +170,16 @@ def test_compiled_decode_rows_describe_their_kernels(weights):
     for rows in (ids, ids.repeat(PEER_BATCH, 1)):
         _, describe = _compiled_decode(model, rows, 4, weights)
         plain = _minimind_greedy(model, rows, 4)
-        products = (FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])] if weights == "fp32"
-                    else "prepacked weights, autotuned GEMMs")
-        assert describe(plain) == (f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, "
-                                   f"{products}, grouped-query attention over the written cache, compiled in 0 s; "
-                                   f"greedy tokens = plain {weights} generate: {4 * rows.shape[0]} / {4 * rows.shape[0]}")
+        products = (
+            FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])]
+            if weights == "fp32"
+            else "prepacked weights, autotuned GEMMs"
+        )
+        assert describe(plain) == (
+            f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, "
+            f"{products}, grouped-query attention over the written cache, compiled in 0 s; "
+            f"greedy tokens = plain {weights} generate: {4 * rows.shape[0]} / {4 * rows.shape[0]}"
+        )
 
 
 def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losses(peers_run):
@@ -175,23 +211,33 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
     params = matmul_params_per_token(config) + config.vocab_size * config.hidden_size  # layers + tied LM head
     head = config.vocab_size * config.hidden_size
     layer_rows = sum(rows for rows, _ in decode_matrices(config)[:-1])
-    expected = {"fp32": 4 * params, "bf16": 2 * params, "f32": 4 * params, "f16": 2 * params,
-                "q8_0": params // 32 * 34, "int8": (params - head) + 4 * layer_rows + 2 * head}
+    expected = {
+        "fp32": 4 * params,
+        "bf16": 2 * params,
+        "f32": 4 * params,
+        "f16": 2 * params,
+        "q8_0": params // 32 * 34,
+        "int8": (params - head) + 4 * layer_rows + 2 * head,
+    }
     assert params % 32 == 0  # every tiny-model row length is a multiple of 32, so all of q8_0 is blocks
     for weights, count in expected.items():
         assert weight_bytes_per_token(config, weights) == count
     for weights in ("fp32", "bf16"):  # the loaded model's own tensors
         model = ctx.minimind(weights)
-        linear = sum(m.weight.numel() * m.weight.element_size() for m in model.model.layers.modules()
-                     if isinstance(m, torch.nn.Linear))
+        linear = sum(
+            m.weight.numel() * m.weight.element_size()
+            for m in model.model.layers.modules()
+            if isinstance(m, torch.nn.Linear)
+        )
         embed = model.model.embed_tokens.weight
         assert model.config.tie_word_embeddings
         assert linear + embed.numel() * embed.element_size() == expected[weights]
     if not int8_missing():  # torchao's int8 tensors: a byte per weight and a float32 scale per row
         model = ctx.minimind("int8")
         layers = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-        stored = sum(w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size()
-                     for w in layers)
+        stored = sum(
+            w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size() for w in layers
+        )
         embed = model.model.embed_tokens.weight
         assert stored + embed.numel() * embed.element_size() == expected["int8"]
     for outtype in PEER_OUTTYPES:  # the bytes llama.cpp reads are the file's own matrices
@@ -199,7 +245,9 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
     _, rows = _table(text)
     for r in rows:
         if "-decode-" in r["row"] and not r["notes"].startswith("skipped"):
-            per_token = expected[r["weights"]] // (PEER_BATCH if "-decode-b8-" in r["row"] else 1)  # weights read once a step
+            per_token = expected[r["weights"]] // (
+                PEER_BATCH if "-decode-b8-" in r["row"] else 1
+            )  # weights read once a step
             assert int(r["weight bytes / token"].replace(",", "")) == per_token
             floor = report.bandwidth / per_token
             assert r["bandwidth floor tok/s (share)"].startswith(f"{floor:,.1f} (")
@@ -207,12 +255,19 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
 
 def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
     assert [w.row_id for w in select_workloads(peer_workloads(), ["peers-*-llamacpp-q8_0"])] == [
-        "peers-decode-llamacpp-q8_0", "peers-decode-b8-llamacpp-q8_0", "peers-prefill-512-llamacpp-q8_0"]
+        "peers-decode-llamacpp-q8_0",
+        "peers-decode-b8-llamacpp-q8_0",
+        "peers-prefill-512-llamacpp-q8_0",
+    ]
     # --table all with patterns naming peer rows only: just those run, and the result is the peers table.
-    report = run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["peers-prefill-*-minimind-*"]),
-                           log=lambda line: None)
-    assert [r.workload.row_id for r in report.rows] == ["peers-prefill-512-minimind-fp32",
-                                                        "peers-prefill-512-minimind-bf16"]
+    report = run_benchmark(
+        BenchmarkSettings(device="cpu", quick=True, table="all", rows=["peers-prefill-*-minimind-*"]),
+        log=lambda line: None,
+    )
+    assert [r.workload.row_id for r in report.rows] == [
+        "peers-prefill-512-minimind-fp32",
+        "peers-prefill-512-minimind-bf16",
+    ]
     with pytest.raises(ValueError, match="match no row"):
         run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["no-such-row"]))
 
@@ -220,8 +275,9 @@ def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
 def test_rewriting_the_main_table_keeps_the_peers_section():
     section = "## Peers\n\n| row |\n|---|\n| peers-x |\n"
     assert splice_peers(MAIN_PART, section) == MAIN_PART + "\n" + section
-    assert splice_peers(MAIN_PART + "\n" + section, section.replace("peers-x", "peers-y")) == \
-        MAIN_PART + "\n" + section.replace("peers-x", "peers-y")
+    assert splice_peers(
+        MAIN_PART + "\n" + section, section.replace("peers-x", "peers-y")
+    ) == MAIN_PART + "\n" + section.replace("peers-x", "peers-y")
     assert peers_section_of(MAIN_PART + "\n" + section) == section and peers_section_of(MAIN_PART) == ""
 
 
@@ -262,8 +318,10 @@ def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
             many, one = (report.row(f"peers-serve-{n}-clients{suffix}") for n in (8, 1))
             assert len(many.seconds) == len(one.seconds) == 1  # quick: one round
             ratio = many.tokens_per_second / one.tokens_per_second
-            assert (f"- serve peers-serve-8-clients{suffix} / peers-serve-1-clients{suffix}: {ratio:.2f}x "
-                    f"(rounds {ratio:.2f}-{ratio:.2f})" in text)
+            assert (
+                f"- serve peers-serve-8-clients{suffix} / peers-serve-1-clients{suffix}: {ratio:.2f}x "
+                f"(rounds {ratio:.2f}-{ratio:.2f})" in text
+            )
 
 
 @pytest.mark.skipif(bool(serving_missing()), reason=serving_missing() or "")
@@ -276,8 +334,11 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
 
     started, completions = [], []
     monkeypatch.setattr(minimind.serving, "create_app", lambda generator: ("app", generator))
-    monkeypatch.setattr(minimind.serving, "serve_in_thread",
-                        contextlib.contextmanager(lambda app: (started.append(app), (yield "http://127.0.0.1:1"))))
+    monkeypatch.setattr(
+        minimind.serving,
+        "serve_in_thread",
+        contextlib.contextmanager(lambda app: (started.append(app), (yield "http://127.0.0.1:1"))),
+    )
 
     def completion(http, prompt, max_tokens):
         completions.append(prompt)
@@ -287,17 +348,23 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
     clock = iter(range(1000))  # each reading one second after the last
     monkeypatch.setattr(minimind.benchmark, "_stream_completion", completion)
     monkeypatch.setattr(minimind.benchmark.time, "perf_counter", lambda: float(next(clock)))
-    ctx = types.SimpleNamespace(repeats=3, sizes=dict(serve_tokens=4, serve_requests=2), log=lambda line: None,
-                                server=lambda weights, engine: f"{weights} {engine}")
+    ctx = types.SimpleNamespace(
+        repeats=3,
+        sizes=dict(serve_tokens=4, serve_requests=2),
+        log=lambda line: None,
+        server=lambda weights, engine: f"{weights} {engine}",
+    )
     workloads = [w for w in peer_workloads() if w.row_id.startswith("peers-serve-") and w.row_id.endswith("-bf16")]
     one, eight = minimind.benchmark.measure_serve(workloads, ctx)
     assert started == [("app", "bf16 paged")]  # one server for both rows
     # after one warm-up completion, three rounds: 1 then 8 clients, 8 then 1, 1 then 8; each client asks twice
     assert completions[0] == PEER_PROMPT
     sizes = [2, 16, 16, 2, 2, 16]
-    runs = [completions[1 + sum(sizes[:i]):1 + sum(sizes[:i + 1])] for i in range(len(sizes))]
+    runs = [completions[1 + sum(sizes[:i]) : 1 + sum(sizes[: i + 1])] for i in range(len(sizes))]
     assert [sorted({prompt.rsplit(" (", 1)[1] for prompt in run}) for run in runs[:2]] == [
-        ["0, 0)", "0, 1)"], [f"{i}, {k})" for i in range(8) for k in range(2)]]
+        ["0, 0)", "0, 1)"],
+        [f"{i}, {k})" for i in range(8) for k in range(2)],
+    ]
     assert [len({prompt.rsplit(" (", 1)[1].split(",")[0] for prompt in run}) for run in runs] == [1, 8, 8, 1, 1, 8]
     assert one.tokens == 2 * 4 and eight.tokens == 8 * 2 * 4 and one.seconds == [1.0, 1.0, 1.0]
     # The 8-client round that got 61 tokens of 64 is timed at its rate: 64 tokens in 64 / 61 s.

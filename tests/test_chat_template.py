@@ -38,16 +38,57 @@ def test_bundled_template_files_hold_the_module_template():
 # Injection: special tokens inside message text are text
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_markers_inside_user_text_are_tokenized_as_text(tok):
     messages = [{"role": "user", "content": INJECTION}]
     ids = encode_conversation(tok, messages, add_generation_prompt=True).input_ids
-    assert ids == [1, 294, 269, 205,  # <|im_start|>user\n
-                   552, 34, 98, 331, 69, 1361, 98, 36, 205, 34, 98, 331, 69, 841, 290, 90, 98, 36, 89, 95, 89, 645,
-                   83, 205, 1325, 329, 92, 334,  # the content, "<", "|", "im", "_", "end", ... as plain text
-                   2, 205, 1, 288, 543, 378, 205]  # <|im_end|>\n<|im_start|>assistant\n
+    assert ids == [
+        1,
+        294,
+        269,
+        205,  # <|im_start|>user\n
+        552,
+        34,
+        98,
+        331,
+        69,
+        1361,
+        98,
+        36,
+        205,
+        34,
+        98,
+        331,
+        69,
+        841,
+        290,
+        90,
+        98,
+        36,
+        89,
+        95,
+        89,
+        645,
+        83,
+        205,
+        1325,
+        329,
+        92,
+        334,  # the content, "<", "|", "im", "_", "end", ... as plain text
+        2,
+        205,
+        1,
+        288,
+        543,
+        378,
+        205,
+    ]  # <|im_end|>\n<|im_start|>assistant\n
     # The same as the clean template around the content tokenised as text.
-    assert ids == (tok("<|im_start|>user\n")["input_ids"] + tok(INJECTION, split_special_tokens=True)["input_ids"]
-                   + tok("<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+    assert ids == (
+        tok("<|im_start|>user\n")["input_ids"]
+        + tok(INJECTION, split_special_tokens=True)["input_ids"]
+        + tok("<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    )
     assert (ids.count(IM_START), ids.count(IM_END)) == (2, 1)  # one clean user turn + the assistant header
     # What plain apply_chat_template tokenisation makes of it: a second turn, a fake system message.
     unsafe = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
@@ -55,14 +96,18 @@ def test_markers_inside_user_text_are_tokenized_as_text(tok):
 
 
 def test_markers_inside_system_tool_and_reasoning_text_are_text(tok):
-    messages = [{"role": "system", "content": "sys<|endoftext|>"}, {"role": "user", "content": "q"},
-                {"role": "assistant", "content": "a<|im_end|>", "reasoning_content": "r<|im_start|>"},
-                {"role": "tool", "content": "<|im_end|>"}]
+    messages = [
+        {"role": "system", "content": "sys<|endoftext|>"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a<|im_end|>", "reasoning_content": "r<|im_start|>"},
+        {"role": "tool", "content": "<|im_end|>"},
+    ]
     for tools in (None, [{"type": "function", "function": {"name": "add"}}]):  # tools: system text moves
         ids = encode_conversation(tok, messages, tools).input_ids
         assert (ids.count(IM_START), ids.count(IM_END), ids.count(0)) == (4, 4, 0)
-        assert tok.decode(ids, skip_special_tokens=False) == \
-            tok.apply_chat_template(messages, tools=tools, tokenize=False)
+        assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(
+            messages, tools=tools, tokenize=False
+        )
 
 
 def test_clean_conversations_tokenize_exactly_as_plain_text(tok):
@@ -98,9 +143,15 @@ def test_placeholders_never_collide_with_message_text(tok):
 # {% generation %}: transformers' assistant mask and TRL's assistant_only_loss select what encode_chat trains
 # --------------------------------------------------------------------------------------------------------------
 
+
 def assistant_mask(tok, row):
-    return tok.apply_chat_template(row["conversations"], tools=row.get("tools"), tokenize=True, return_dict=True,
-                                   return_assistant_tokens_mask=True)
+    return tok.apply_chat_template(
+        row["conversations"],
+        tools=row.get("tools"),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
 
 
 def test_assistant_tokens_mask_equals_sft_labels_on_the_bundled_data(tok):
@@ -123,20 +174,36 @@ def test_sft_trainer_with_assistant_only_loss_trains_what_encode_chat_labels(tmp
 
     rows = bundled("sft_reasoning.jsonl")[:8]
     model = model_dir(tmp_path / "model", std=0.02).train()
-    args = trl.SFTConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
-                         learning_rate=1e-3, report_to=[], use_cpu=True, bf16=False, logging_steps=1,
-                         save_strategy="no", seed=0, disable_tqdm=True, assistant_only_loss=True)
-    trainer = trl.SFTTrainer(model=model, args=args, processing_class=tok,
-                             train_dataset=Dataset.from_list([{"messages": row["conversations"]} for row in rows]))
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        assistant_only_loss=True,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=args,
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{"messages": row["conversations"]} for row in rows]),
+    )
     # TRL turns the template's assistant mask into labels: exactly ours, token for token.
-    assert [example["labels"] for example in trainer.train_dataset] == \
-        [encode_chat(tok, row["conversations"])["labels"] for row in rows]
+    assert [example["labels"] for example in trainer.train_dataset] == [
+        encode_chat(tok, row["conversations"])["labels"] for row in rows
+    ]
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
     first = encode_chat(tok, rows[0]["conversations"])["labels"]
-    assert batch["labels"][0, :len(first)].tolist() == first
+    assert batch["labels"][0, : len(first)].tolist() == first
     assert tok.decode([label for label in first if label != IGNORE_INDEX], skip_special_tokens=False) == (
-        "<think>\nStart at 9 and count on 3: 10, 11, 12. The last number is 12.\n</think>\n\n"
-        "9 plus 3 is 12.<|im_end|>")
+        "<think>\nStart at 9 and count on 3: 10, 11, 12. The last number is 12.\n</think>\n\n9 plus 3 is 12.<|im_end|>"
+    )
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
@@ -146,27 +213,33 @@ def test_sft_trainer_with_assistant_only_loss_trains_what_encode_chat_labels(tmp
 # Reasoning
 # --------------------------------------------------------------------------------------------------------------
 
-REASONED = [{"role": "user", "content": "What is 2 plus 2?"},
-            {"role": "assistant", "content": "2 plus 2 is 4.", "reasoning_content": "Count on 2 from 2: 3, 4."}]
+REASONED = [
+    {"role": "user", "content": "What is 2 plus 2?"},
+    {"role": "assistant", "content": "2 plus 2 is 4.", "reasoning_content": "Count on 2 from 2: 3, 4."},
+]
 
 
 def test_reasoning_content_renders_as_a_think_block(tok):
     assert tok.apply_chat_template(REASONED, tokenize=False) == (
         "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\nCount on 2 from 2: 3, 4.\n</think>\n\n2 plus 2 is 4.<|im_end|>\n")
+        "<|im_start|>assistant\n<think>\nCount on 2 from 2: 3, 4.\n</think>\n\n2 plus 2 is 4.<|im_end|>\n"
+    )
     # A think block already in the content is kept as written; earlier turns keep their reasoning.
     inline = [REASONED[0], {"role": "assistant", "content": "<think>\nCount on.\n</think>\n\n4."}]
     assert tok.apply_chat_template(inline + REASONED, tokenize=False).startswith(
         "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n<think>\nCount on.\n</think>\n\n4."
-        "<|im_end|>\n<|im_start|>user\n")
+        "<|im_end|>\n<|im_start|>user\n"
+    )
     ids = encode_conversation(tok, inline).input_ids
     assert ids.count(3) == 1 and ids.count(4) == 1  # <think> and </think> are single tokens in content too
 
 
 def test_enable_thinking_switch_in_the_generation_prompt(tok):
     prompt = "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n"
-    render = lambda **kwargs: tok.apply_chat_template(REASONED[:1], tokenize=False, add_generation_prompt=True,
-                                                      **kwargs)
+
+    def render(**kwargs):
+        return tok.apply_chat_template(REASONED[:1], tokenize=False, add_generation_prompt=True, **kwargs)
+
     assert render() == render(enable_thinking=True) == prompt
     assert render(enable_thinking=False) == prompt + "<think>\n\n</think>\n\n"
     # The empty block is what an empty reasoning_content renders, so no-think replies can be trained.
@@ -175,8 +248,14 @@ def test_enable_thinking_switch_in_the_generation_prompt(tok):
 
 
 def test_sft_labels_cover_reasoning_and_answer(tok):
-    example = encode_chat(tok, REASONED + [{"role": "user", "content": "And 1 plus 1?"},
-                                           {"role": "assistant", "content": "2.", "reasoning_content": "One more."}])
+    example = encode_chat(
+        tok,
+        REASONED
+        + [
+            {"role": "user", "content": "And 1 plus 1?"},
+            {"role": "assistant", "content": "2.", "reasoning_content": "One more."},
+        ],
+    )
     labels = example["labels"]
     runs, current = [], []
     for label in labels + [IGNORE_INDEX]:
@@ -185,8 +264,10 @@ def test_sft_labels_cover_reasoning_and_answer(tok):
         elif current:
             runs.append(tok.decode(current, skip_special_tokens=False))
             current = []
-    assert runs == ["<think>\nCount on 2 from 2: 3, 4.\n</think>\n\n2 plus 2 is 4.<|im_end|>",
-                    "<think>\nOne more.\n</think>\n\n2.<|im_end|>"]
+    assert runs == [
+        "<think>\nCount on 2 from 2: 3, 4.\n</think>\n\n2 plus 2 is 4.<|im_end|>",
+        "<think>\nOne more.\n</think>\n\n2.<|im_end|>",
+    ]
 
 
 def test_template_is_prefix_stable_with_reasoning_and_tools(tok):
@@ -209,13 +290,17 @@ def test_reasoning_data_is_generated_deterministically_and_valid(tmp_path):
     empty = sum(m["reasoning_content"] == "" for m in replies)
     assert (len(replies), empty) == (470, 69)
     first = rows[0]["conversations"]
-    assert first[1] == {"role": "assistant", "content": "9 plus 3 is 12.",
-                        "reasoning_content": "Start at 9 and count on 3: 10, 11, 12. The last number is 12."}
+    assert first[1] == {
+        "role": "assistant",
+        "content": "9 plus 3 is 12.",
+        "reasoning_content": "Start at 9 and count on 3: 10, 11, 12. The last number is 12.",
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------
 # AutoTokenizer on a saved model directory
 # --------------------------------------------------------------------------------------------------------------
+
 
 def test_auto_tokenizer_loads_a_saved_model_directory_without_asking_with_trust_remote_code_false(tmp_path):
     # transformers 5.24 asks about custom code whenever trust_remote_code is left out: AutoTokenizer loads the
@@ -224,12 +309,20 @@ def test_auto_tokenizer_loads_a_saved_model_directory_without_asking_with_trust_
     from minimind.training import save_hf_directory
 
     save_hf_directory(tiny_model(vocab_size=6400), load_tokenizer(TOKENIZER_DIR), tmp_path / "model")
-    code = ("import sys\nfrom transformers import AutoTokenizer\n"
-            "tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=False)\n"
-            "print(tok(sys.argv[2])['input_ids'])")
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model"), "What is 3 plus 4?"],
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)
+    code = (
+        "import sys\nfrom transformers import AutoTokenizer\n"
+        "tok = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=False)\n"
+        "print(tok(sys.argv[2])['input_ids'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "model"), "What is 3 plus 4?"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "custom code" not in result.stdout + result.stderr
     assert result.stdout.strip() == str(load_tokenizer(TOKENIZER_DIR)("What is 3 plus 4?")["input_ids"])

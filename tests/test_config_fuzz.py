@@ -3,8 +3,8 @@ finite logits, or is refused with `ValueError("MiniMindConfig.<field>: <problem>
 never a TypeError, KeyError or a silently wrong model."""
 
 import math
-import re
 import random
+import re
 
 import pytest
 import torch
@@ -24,8 +24,16 @@ CHOICES = {
     "max_position_embeddings": [64, *BAD],
     "rms_norm_eps": [1e-6, 1e-5, *BAD],
     "rope_theta": [1e4, 1e6, *BAD],
-    "rope_scaling": [None, {"rope_type": "linear", "factor": 2.0}, {"type": "yarn", "factor": 4.0},
-                     {"rope_type": "dynamic"}, {"rope_type": "nope"}, "yarn", 5, []],
+    "rope_scaling": [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {"type": "yarn", "factor": 4.0},
+        {"rope_type": "dynamic"},
+        {"rope_type": "nope"},
+        "yarn",
+        5,
+        [],
+    ],
     "qk_norm": [True, False, "no", 1, None],
     "attention_dropout": [0.0, 0.1, 1.0, -0.1, "0"],
     "tie_word_embeddings": [True, False, "yes"],
@@ -52,8 +60,15 @@ def draw_cases(n, seed=1234):
 
 @pytest.mark.parametrize("chunk", range(4))
 def test_every_fuzzed_config_runs_or_is_refused_with_the_field_and_fix(chunk):
-    base = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, max_position_embeddings=64, intermediate_size=32)
+    base = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        intermediate_size=32,
+    )
     outcomes = {"built": 0, "refused": 0}
     for case in draw_cases(200)[chunk::4]:
         try:
@@ -73,27 +88,38 @@ def test_every_fuzzed_config_runs_or_is_refused_with_the_field_and_fix(chunk):
     assert outcomes["built"] and outcomes["refused"]  # the draw covers both sides
 
 
-@pytest.mark.parametrize("case, field", [
-    (dict(rms_norm_eps="1e-6"), "rms_norm_eps"),
-    (dict(rope_scaling=5), "rope_scaling"),
-    (dict(mlp_only_layers="0"), "mlp_only_layers"),
-    (dict(router_aux_loss_coef="x"), "router_aux_loss_coef"),
-    (dict(rope_scaling="yarn"), "rope_scaling"),
-    (dict(qk_norm="no"), "qk_norm"),
-    (dict(use_moe="yes"), "use_moe"),
-    (dict(rope_theta=math.nan), "rope_theta"),
-    (dict(pad_token_id=10**6), "pad_token_id"),
-    (dict(pad_token_id=-1), "pad_token_id"),
-    (dict(router_aux_loss_coef=-1), "router_aux_loss_coef"),
-    (dict(rope_scaling={"type": "weird"}, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-     "rope_scaling"),
-    (dict(rope_parameters={"rope_type": "dynamic"}), "rope_parameters"),
-    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
-                           "high_freq_factor": 1.0}), "rope_parameters"),
-    (dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
-     "rope_parameters"),
-    (dict(num_hidden_layers=2.0), "num_hidden_layers"),
-])
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        (dict(rms_norm_eps="1e-6"), "rms_norm_eps"),
+        (dict(rope_scaling=5), "rope_scaling"),
+        (dict(mlp_only_layers="0"), "mlp_only_layers"),
+        (dict(router_aux_loss_coef="x"), "router_aux_loss_coef"),
+        (dict(rope_scaling="yarn"), "rope_scaling"),
+        (dict(qk_norm="no"), "qk_norm"),
+        (dict(use_moe="yes"), "use_moe"),
+        (dict(rope_theta=math.nan), "rope_theta"),
+        (dict(pad_token_id=10**6), "pad_token_id"),
+        (dict(pad_token_id=-1), "pad_token_id"),
+        (dict(router_aux_loss_coef=-1), "router_aux_loss_coef"),
+        (
+            dict(rope_scaling={"type": "weird"}, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+            "rope_scaling",
+        ),
+        (dict(rope_parameters={"rope_type": "dynamic"}), "rope_parameters"),
+        (
+            dict(
+                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}
+            ),
+            "rope_parameters",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}),
+            "rope_parameters",
+        ),
+        (dict(num_hidden_layers=2.0), "num_hidden_layers"),
+    ],
+)
 def test_values_that_used_to_slip_through_are_refused(case, field):
     with pytest.raises(ValueError, match=rf"^MiniMindConfig\.{field}: .+\. Fix: .+\.$"):
         MiniMindConfig(**case)

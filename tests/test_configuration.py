@@ -24,27 +24,30 @@ def test_defaults_match_upstream_minimind():
     assert c.mlp_only_layers == [] and c.decoder_sparse_step == 1
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(num_attention_heads=8, num_key_value_heads=3), "num_key_value_heads"),
-    (dict(hidden_size=64, num_attention_heads=4, head_dim=15), "head_dim"),
-    (dict(hidden_size=66, num_attention_heads=4), "head_dim"),
-    (dict(use_moe=True, num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
-    (dict(use_moe=True, num_experts=0), "num_experts"),
-    (dict(use_moe=True, decoder_sparse_step=0), "decoder_sparse_step"),
-    (dict(rope_scaling={"rope_type": "ntk-by-parts", "factor": 2.0}), "rope_scaling"),
-    (dict(rope_scaling={"rope_type": "yarn"}), "rope_scaling"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 0.5}), "rope_scaling"),
-    (dict(rope_theta=-1.0), "rope_theta"),
-    (dict(hidden_size=0), "hidden_size"),
-    (dict(vocab_size=-5), "vocab_size"),
-    (dict(num_hidden_layers=0), "num_hidden_layers"),
-    (dict(intermediate_size=0), "intermediate_size"),
-    (dict(max_position_embeddings=0), "max_position_embeddings"),
-    (dict(rms_norm_eps=0.0), "rms_norm_eps"),
-    (dict(attention_dropout=1.5), "attention_dropout"),
-    (dict(hidden_act="tanh-ish"), "hidden_act"),
-    (dict(num_hidden_layers=2, mlp_only_layers=[5]), "mlp_only_layers"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_attention_heads=8, num_key_value_heads=3), "num_key_value_heads"),
+        (dict(hidden_size=64, num_attention_heads=4, head_dim=15), "head_dim"),
+        (dict(hidden_size=66, num_attention_heads=4), "head_dim"),
+        (dict(use_moe=True, num_experts=4, num_experts_per_tok=5), "num_experts_per_tok"),
+        (dict(use_moe=True, num_experts=0), "num_experts"),
+        (dict(use_moe=True, decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(rope_scaling={"rope_type": "ntk-by-parts", "factor": 2.0}), "rope_scaling"),
+        (dict(rope_scaling={"rope_type": "yarn"}), "rope_scaling"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 0.5}), "rope_scaling"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(vocab_size=-5), "vocab_size"),
+        (dict(num_hidden_layers=0), "num_hidden_layers"),
+        (dict(intermediate_size=0), "intermediate_size"),
+        (dict(max_position_embeddings=0), "max_position_embeddings"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+        (dict(attention_dropout=1.5), "attention_dropout"),
+        (dict(hidden_act="tanh-ish"), "hidden_act"),
+        (dict(num_hidden_layers=2, mlp_only_layers=[5]), "mlp_only_layers"),
+    ],
+)
 def test_invalid_config_names_field_and_fix(kwargs, field):
     with pytest.raises(ValueError, match=rf"^MiniMindConfig\.{field}: .+\. Fix: .+"):
         MiniMindConfig(**kwargs)
@@ -76,17 +79,32 @@ def test_flash_attn_switch_maps_to_attn_implementation():
 
 
 def test_save_and_reload_roundtrip(tmp_path):
-    c = MiniMindConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, use_moe=True,
-                       num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
-                       rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512})
+    c = MiniMindConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_moe=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512},
+    )
     c.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "minimind"
     assert saved["auto_map"]["AutoConfig"] == "configuration_minimind.MiniMindConfig"
     assert not any(re.fullmatch(r"top_k|temperature", k) for k in saved)
     again = MiniMindConfig.from_pretrained(tmp_path)
-    for key in ("hidden_size", "num_experts", "num_experts_per_tok", "mlp_only_layers", "rope_parameters",
-                "intermediate_size", "head_dim", "use_moe"):
+    for key in (
+        "hidden_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "mlp_only_layers",
+        "rope_parameters",
+        "intermediate_size",
+        "head_dim",
+        "use_moe",
+    ):
         assert getattr(again, key) == getattr(c, key), key
 
 

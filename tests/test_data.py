@@ -11,7 +11,13 @@ import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from minimind.data import (  # noqa: E402
-    IGNORE_INDEX, DataFormatError, build_pretrain_dataset, build_sft_dataset, collator, encode_chat, read_jsonl,
+    IGNORE_INDEX,
+    DataFormatError,
+    build_pretrain_dataset,
+    build_sft_dataset,
+    collator,
+    encode_chat,
+    read_jsonl,
     split_train_eval,
 )
 
@@ -57,26 +63,62 @@ BAD_LINES = [
     ("sft", {"conversations": [{"role": "user", "content": "hi"}]}, "has no assistant message"),
     ("sft", {"conversations": chat(("hi", " "))}, "assistant reply with empty content"),
     ("sft", {"conversations": chat(("hi", "yo")), "tools": "add"}, "'tools' must be a list"),
-    ("sft", {"conversations": [{"role": "user", "content": "hi"},
-                               {"role": "assistant", "content": None, "tool_calls": [{"arguments": {}}]}]},
-     "tool call 0 has no string 'name'"),
+    (
+        "sft",
+        {
+            "conversations": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"arguments": {}}]},
+            ]
+        },
+        "tool call 0 has no string 'name'",
+    ),
     ("dpo", {"chosen": chat(("Q", "A"))}, "missing key 'rejected'"),
-    ("dpo", {"chosen": chat(("Q", "A")), "rejected": [{"role": "user", "content": "Q"}]},
-     "'rejected' has no assistant message"),
-    ("dpo", {"chosen": chat(("Q", "A")) + [{"role": "user", "content": "more"}], "rejected": chat(("Q", "B"))},
-     "'chosen' must end with the assistant reply"),
-    ("dpo", {"chosen": chat(("Q", "A")), "rejected": chat(("other Q", "B"))},
-     "'chosen' and 'rejected' have different prompts (they differ at message 0; 1 and 1 messages"),
-    ("dpo", {"chosen": chat(("Q", "A"), system="Be brief."), "rejected": chat(("Q", "B"))},
-     "'chosen' and 'rejected' have different prompts (they differ at message 0; 2 and 1 messages"),
-    ("dpo", {"chosen": chat(("Q1", "A1"), ("Q2", "A")), "rejected": chat(("Q1", "other A1"), ("Q2", "B"))},
-     "'chosen' and 'rejected' have different prompts (they differ at message 1; 3 and 3 messages"),
-    ("sft", {"conversations": [{"role": "user", "content": "hi"},
-                               {"role": "assistant", "content": "yo", "reasoning_content": ["think"]}]},
-     "'conversations' message 1 (assistant) 'reasoning_content' must be a string, got list"),
-    ("sft", {"conversations": [{"role": "user", "content": "hi", "reasoning_content": "hmm"},
-                               {"role": "assistant", "content": "yo"}]},
-     "'conversations' message 0 (user) has 'reasoning_content', which only assistant messages may carry"),
+    (
+        "dpo",
+        {"chosen": chat(("Q", "A")), "rejected": [{"role": "user", "content": "Q"}]},
+        "'rejected' has no assistant message",
+    ),
+    (
+        "dpo",
+        {"chosen": chat(("Q", "A")) + [{"role": "user", "content": "more"}], "rejected": chat(("Q", "B"))},
+        "'chosen' must end with the assistant reply",
+    ),
+    (
+        "dpo",
+        {"chosen": chat(("Q", "A")), "rejected": chat(("other Q", "B"))},
+        "'chosen' and 'rejected' have different prompts (they differ at message 0; 1 and 1 messages",
+    ),
+    (
+        "dpo",
+        {"chosen": chat(("Q", "A"), system="Be brief."), "rejected": chat(("Q", "B"))},
+        "'chosen' and 'rejected' have different prompts (they differ at message 0; 2 and 1 messages",
+    ),
+    (
+        "dpo",
+        {"chosen": chat(("Q1", "A1"), ("Q2", "A")), "rejected": chat(("Q1", "other A1"), ("Q2", "B"))},
+        "'chosen' and 'rejected' have different prompts (they differ at message 1; 3 and 3 messages",
+    ),
+    (
+        "sft",
+        {
+            "conversations": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo", "reasoning_content": ["think"]},
+            ]
+        },
+        "'conversations' message 1 (assistant) 'reasoning_content' must be a string, got list",
+    ),
+    (
+        "sft",
+        {
+            "conversations": [
+                {"role": "user", "content": "hi", "reasoning_content": "hmm"},
+                {"role": "assistant", "content": "yo"},
+            ]
+        },
+        "'conversations' message 0 (user) has 'reasoning_content', which only assistant messages may carry",
+    ),
 ]
 
 
@@ -97,8 +139,11 @@ def test_missing_file_or_directory_is_a_data_error(tmp_path, kind):
     path = tmp_path / "absent.jsonl"
     if kind == "directory":
         path.mkdir()
-    expected = (r"absent\.jsonl: no such file\. Fix: check the path \(--data_path\)" if kind == "missing" else
-                r"absent\.jsonl: is a directory, not a JSONL file\. Fix: pass the path of a \.jsonl file")
+    expected = (
+        r"absent\.jsonl: no such file\. Fix: check the path \(--data_path\)"
+        if kind == "missing"
+        else r"absent\.jsonl: is a directory, not a JSONL file\. Fix: pass the path of a \.jsonl file"
+    )
     with pytest.raises(DataFormatError, match=expected):
         read_jsonl(path, "sft")
 
@@ -112,8 +157,9 @@ def test_utf8_bom_at_the_start_is_accepted(tmp_path):
 def test_reasoning_content_on_assistant_messages_is_accepted(tmp_path):
     reply = {"role": "assistant", "content": "7.", "reasoning_content": "3 plus 4 is 7."}
     row = {"conversations": [{"role": "user", "content": "3 plus 4?"}, reply]}
-    path = write_lines(tmp_path / "r.jsonl", [row, {"conversations": [row["conversations"][0],
-                                                                     {**reply, "reasoning_content": None}]}])
+    path = write_lines(
+        tmp_path / "r.jsonl", [row, {"conversations": [row["conversations"][0], {**reply, "reasoning_content": None}]}]
+    )
     rows, skipped = read_jsonl(path, "sft")
     assert (rows[0], len(rows), skipped) == (row, 2, 0)
 
@@ -165,7 +211,7 @@ def test_pretrain_packing_exact_blocks(tmp_path, tok):
         stream += [tok.bos_token_id, *tok.encode(text, add_special_tokens=False), tok.eos_token_id]
     assert len(dataset) == len(stream) // block
     packed = [t for row in dataset["input_ids"] for t in row]
-    assert packed == stream[:len(packed)]  # order kept, nothing lost but the tail
+    assert packed == stream[: len(packed)]  # order kept, nothing lost but the tail
     assert len(stream) - len(packed) < block
     for row in dataset:
         assert len(row["input_ids"]) == block
@@ -195,11 +241,16 @@ def assistant_targets(tok, example):
 
 
 def test_sft_labels_token_by_token(tmp_path, tok):
-    messages = chat(("What is 3 plus 4?", "3 plus 4 is 7."),
-                    ("And the colour of the sky?", "\nThe sky is blue. 😀\n"), system="Be brief.")
+    messages = chat(
+        ("What is 3 plus 4?", "3 plus 4 is 7."),
+        ("And the colour of the sky?", "\nThe sky is blue. 😀\n"),
+        system="Be brief.",
+    )
     path = write_lines(tmp_path / "s.jsonl", [{"conversations": messages}])
     example = build_sft_dataset(path, tok, 512)[0]
-    assert tok.decode(example["input_ids"], skip_special_tokens=False) == tok.apply_chat_template(messages, tokenize=False)
+    assert tok.decode(example["input_ids"], skip_special_tokens=False) == tok.apply_chat_template(
+        messages, tokenize=False
+    )
     assert assistant_targets(tok, example) == ["3 plus 4 is 7.<|im_end|>", "\nThe sky is blue. 😀\n<|im_end|>"]
     assert example["attention_mask"] == [1] * len(example["input_ids"])
 
@@ -214,7 +265,9 @@ def test_sft_labels_with_tool_calls(tok):
     tools = [{"type": "function", "function": {"name": "add"}}]
     example = encode_chat(tok, messages, tools)
     assert assistant_targets(tok, example) == [
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>', "It is 3.<|im_end|>"]
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call><|im_end|>',
+        "It is 3.<|im_end|>",
+    ]
 
 
 def test_sft_truncation_and_drop(tmp_path, tok, caplog):
@@ -223,8 +276,10 @@ def test_sft_truncation_and_drop(tmp_path, tok, caplog):
     with caplog.at_level(logging.WARNING, logger="minimind.data"):
         dataset = build_sft_dataset(path, tok, 24)
     assert len(dataset) == 1
-    assert "t.jsonl: dropped 1 of 2 sft examples whose assistant reply starts after max_seq_length=24 (line 2)" \
+    assert (
+        "t.jsonl: dropped 1 of 2 sft examples whose assistant reply starts after max_seq_length=24 (line 2)"
         in caplog.text
+    )
     assert len(dataset[0]["input_ids"]) <= 24
     only_long = write_lines(tmp_path / "only_long.jsonl", [{"conversations": long_prompt}])
     with pytest.raises(DataFormatError, match="no sft example keeps any assistant tokens"):
@@ -239,8 +294,10 @@ def test_sft_drop_warning_names_the_first_dropped_lines(tmp_path, tok, caplog):
     with caplog.at_level(logging.WARNING, logger="minimind.data"):
         dataset = build_sft_dataset(path, tok, 24, skip_bad_lines=True)
     assert len(dataset) == 2 and set(dataset.column_names) == {"input_ids", "labels", "attention_mask"}
-    assert "dropped 7 of 9 sft examples whose assistant reply starts after max_seq_length=24 (line 3, 5, 6, 7, 8, " \
-           "...)" in caplog.text
+    assert (
+        "dropped 7 of 9 sft examples whose assistant reply starts after max_seq_length=24 (line 3, 5, 6, 7, 8, "
+        "...)" in caplog.text
+    )
 
 
 def test_sft_collator_pads(tmp_path, tok):
@@ -250,8 +307,8 @@ def test_sft_collator_pads(tmp_path, tok):
     lengths = [len(dataset[i]["input_ids"]) for i in range(2)]
     assert batch["input_ids"].shape == (2, max(lengths))
     short = lengths.index(min(lengths))
-    assert batch["input_ids"][short, min(lengths):].tolist() == [tok.pad_token_id] * (max(lengths) - min(lengths))
-    assert batch["labels"][short, min(lengths):].tolist() == [IGNORE_INDEX] * (max(lengths) - min(lengths))
+    assert batch["input_ids"][short, min(lengths) :].tolist() == [tok.pad_token_id] * (max(lengths) - min(lengths))
+    assert batch["labels"][short, min(lengths) :].tolist() == [IGNORE_INDEX] * (max(lengths) - min(lengths))
     assert batch["attention_mask"].sum().item() == sum(lengths)
 
 
@@ -279,7 +336,7 @@ def test_unpacked_pretraining_keeps_documents_apart(tmp_path, tok):
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts])
     dataset = build_pretrain_dataset(path, tok, 16, packed=False)
     documents = [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False), tok.eos_token_id] for t in texts]
-    pieces = [d[i:i + 16] for d in documents for i in range(0, len(d), 16)]
+    pieces = [d[i : i + 16] for d in documents for i in range(0, len(d), 16)]
     assert dataset["input_ids"] == [p for p in pieces if len(p) > 1]  # split at 16, nothing lost but 1-token tails
     assert dataset["labels"] == dataset["input_ids"]
     assert len(documents[1]) > 32  # the long text really was split
@@ -303,17 +360,34 @@ def test_bundled_corpus_is_valid():
         assert rows and skipped == 0
 
 
-@pytest.mark.parametrize("kind, bad, message", [
-    ("pretrain", '{"text": "unterminated"', "invalid JSON (Expecting ',' delimiter at column 24). Fix: check for "
-     "unbalanced quotes/brackets or a trailing comma; each line must be one complete JSON object."),
-    ("pretrain", {"text": "   "}, "'text' is empty. Fix: delete the line or put text in it."),
-    ("sft", {"conversations": []}, "'conversations' is empty. Fix: add at least a user message and an assistant "
-     "reply, or delete the line."),
-    ("sft", {"conversations": [{"role": "user", "content": "hi"},
-                               {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": 5}]}]},
-     "'conversations' message 1 tool call 0 'arguments' must be an object or a JSON string. Fix: write "
-     "\"arguments\": {\"param\": value}."),
-])
+@pytest.mark.parametrize(
+    "kind, bad, message",
+    [
+        (
+            "pretrain",
+            '{"text": "unterminated"',
+            "invalid JSON (Expecting ',' delimiter at column 24). Fix: check for "
+            "unbalanced quotes/brackets or a trailing comma; each line must be one complete JSON object.",
+        ),
+        ("pretrain", {"text": "   "}, "'text' is empty. Fix: delete the line or put text in it."),
+        (
+            "sft",
+            {"conversations": []},
+            "'conversations' is empty. Fix: add at least a user message and an assistant reply, or delete the line.",
+        ),
+        (
+            "sft",
+            {
+                "conversations": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": 5}]},
+                ]
+            },
+            "'conversations' message 1 tool call 0 'arguments' must be an object or a JSON string. Fix: write "
+            '"arguments": {"param": value}.',
+        ),
+    ],
+)
 def test_malformed_line_message_is_exact_problem_and_fix(tmp_path, kind, bad, message):
     path = write_lines(tmp_path / "data.jsonl", [bad])
     with pytest.raises(DataFormatError) as info:
@@ -323,11 +397,18 @@ def test_malformed_line_message_is_exact_problem_and_fix(tmp_path, kind, bad, me
 
 def test_validation_goes_on_after_an_assistant_message_with_only_tool_calls(tmp_path):
     tool_call = {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": {"a": 1}}]}
-    bad_after = [{"role": "user", "content": "add"}, tool_call, {"role": "tool", "content": "1"},
-                 {"role": "assistant", "content": 7}]
+    bad_after = [
+        {"role": "user", "content": "add"},
+        tool_call,
+        {"role": "tool", "content": "1"},
+        {"role": "assistant", "content": 7},
+    ]
     path = write_lines(tmp_path / "data.jsonl", [{"conversations": bad_after}])
-    with pytest.raises(DataFormatError, match=r"line 1: 'conversations' message 3 \(assistant\) 'content' must be "
-                                              r"a string, got int"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"line 1: 'conversations' message 3 \(assistant\) 'content' must be "
+        r"a string, got int",
+    ):
         read_jsonl(path, "sft")
 
 
@@ -341,18 +422,25 @@ def test_skip_bad_lines_keeps_the_good_rows_of_every_kind(tmp_path, tok, kind):
     strict = DataArguments(data_path=str(path), max_seq_length=length, eval_fraction=0)
     with pytest.raises(DataFormatError, match=r"line 2: invalid JSON"):
         load_datasets(kind, strict, tokenizer)
-    train, held_out = load_datasets(kind, DataArguments(data_path=str(path), max_seq_length=length,
-                                                       eval_fraction=0, skip_bad_lines=True), tokenizer)
+    train, held_out = load_datasets(
+        kind,
+        DataArguments(data_path=str(path), max_seq_length=length, eval_fraction=0, skip_bad_lines=True),
+        tokenizer,
+    )
     assert held_out is None
     # pretraining packs the three texts (7 tokens each with bos/eos) into one 16-token block
     assert len(train) == (1 if kind == "pretrain" else 3)
 
 
-SURROGATE_MESSAGE = ("is not valid Unicode (lone surrogate '\\ud800' at character {at}, from a \\uXXXX escape that is "
-                     "half of a pair). Fix: replace the escape with the intended character, or pass --skip_bad_lines "
-                     "to skip such lines.")
-NESTED_MESSAGE = ("arrays/objects nested more than 100 levels deep. Fix: flatten the line (no training format nests "
-                  "that deep), or pass --skip_bad_lines to skip such lines.")
+SURROGATE_MESSAGE = (
+    "is not valid Unicode (lone surrogate '\\ud800' at character {at}, from a \\uXXXX escape that is "
+    "half of a pair). Fix: replace the escape with the intended character, or pass --skip_bad_lines "
+    "to skip such lines."
+)
+NESTED_MESSAGE = (
+    "arrays/objects nested more than 100 levels deep. Fix: flatten the line (no training format nests "
+    "that deep), or pass --skip_bad_lines to skip such lines."
+)
 DEEP = "[" * 100_000 + "]" * 100_000
 SFT_REPLY = '{"role": "user", "content": "hi"}, {"role": "assistant", "content": "%s"}'
 
@@ -361,17 +449,30 @@ SFT_REPLY = '{"role": "user", "content": "hi"}, {"role": "assistant", "content":
 UNREADABLE_LINES = [
     ("pretrain", '{"text": "caf\\ud800"}', "the string at ['text'] " + SURROGATE_MESSAGE.format(at=3)),
     ("pretrain", DEEP, NESTED_MESSAGE),
-    ("pretrain", '{"text": 1' + "0" * 5000 + "}", "invalid JSON (Exceeds the limit (4300 digits) for integer string "
-     "conversion: value has 5001 digits; use sys.set_int_max_str_digits() to increase the limit). Fix: shorten or "
-     "quote the value, or pass --skip_bad_lines to skip such lines."),
-    ("sft", '{"conversations": [%s]}' % (SFT_REPLY % "ok\\ud800"),
-     "the string at ['conversations'][1]['content'] " + SURROGATE_MESSAGE.format(at=2)),
-    ("sft", '{"conversations": [{"role": "user", "content": "hi", "\\ud800": 1}, {"role": "assistant", '
-            '"content": "yo"}]}', "a key in ['conversations'][0] " + SURROGATE_MESSAGE.format(at=0)),
+    (
+        "pretrain",
+        '{"text": 1' + "0" * 5000 + "}",
+        "invalid JSON (Exceeds the limit (4300 digits) for integer string "
+        "conversion: value has 5001 digits; use sys.set_int_max_str_digits() to increase the limit). Fix: shorten or "
+        "quote the value, or pass --skip_bad_lines to skip such lines.",
+    ),
+    (
+        "sft",
+        '{"conversations": [%s]}' % (SFT_REPLY % "ok\\ud800"),
+        "the string at ['conversations'][1]['content'] " + SURROGATE_MESSAGE.format(at=2),
+    ),
+    (
+        "sft",
+        '{"conversations": [{"role": "user", "content": "hi", "\\ud800": 1}, {"role": "assistant", "content": "yo"}]}',
+        "a key in ['conversations'][0] " + SURROGATE_MESSAGE.format(at=0),
+    ),
     ("sft", DEEP, NESTED_MESSAGE),
     # Parses (json.loads' limit is deeper), but the chat template's JSON encoding would not.
-    ("sft", '{"conversations": [%s], "tools": [{"parameters": %s}]}' % (SFT_REPLY % "yo", "[" * 150 + "]" * 150),
-     NESTED_MESSAGE),
+    (
+        "sft",
+        '{"conversations": [%s], "tools": [{"parameters": %s}]}' % (SFT_REPLY % "yo", "[" * 150 + "]" * 150),  # noqa: UP031
+        NESTED_MESSAGE,
+    ),
 ]
 
 
@@ -403,13 +504,17 @@ def test_a_chat_the_template_cannot_render_is_named_or_skipped(tmp_path, tok, ca
     assert str(info.value) == (
         f"{path}, line 2: the chat template cannot render this conversation (ValueError: Cannot apply chat template "
         "to an empty conversation. Provide at least one message.). Fix: check the order of the roles (open with a "
-        "system or user message), or pass --skip_bad_lines to skip such lines.")
+        "system or user message), or pass --skip_bad_lines to skip such lines."
+    )
     with caplog.at_level(logging.WARNING, logger="minimind.data"):
         assert len(build_sft_dataset(path, tok, 64, skip_bad_lines=True)) == 2
     assert f"skipped 1 more bad line(s) in {path} (first: {path}, line 2: the chat template" in caplog.text
     assert "dropped" not in caplog.text  # not reported again as cut off by truncation
 
     path = write_lines(tmp_path / "only.jsonl", [opening_reply])
-    with pytest.raises(DataFormatError, match=r"only\.jsonl: no valid sft examples \(every line is malformed; first: "
-                                              r".*only\.jsonl, line 1: the chat template cannot render"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"only\.jsonl: no valid sft examples \(every line is malformed; first: "
+        r".*only\.jsonl, line 1: the chat template cannot render",
+    ):
         build_sft_dataset(path, tok, 64, skip_bad_lines=True)

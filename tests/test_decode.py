@@ -4,11 +4,20 @@ compiled steps run (each CPU maker's fp32 table, bf16, int8): tests/test_decode_
 
 import pytest
 import torch
-from conftest import tiny_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from minimind.decode import (CACHE_BUCKET, GROUPED_QUERY_SDPA, CompiledDecoder, RowCache, RowDecoder,
-                             _attends_written_part, cache_length, fp32_product_kernel, grouped_query_sdpa)
+from conftest import tiny_model
+from minimind.decode import (
+    CACHE_BUCKET,
+    GROUPED_QUERY_SDPA,
+    CompiledDecoder,
+    RowCache,
+    RowDecoder,
+    _attends_written_part,
+    cache_length,
+    fp32_product_kernel,
+    grouped_query_sdpa,
+)
 
 PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
 NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
@@ -16,8 +25,13 @@ NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_toke
 
 def reference(model, new, **kwargs):
     with torch.no_grad():
-        return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=new,
-                              pad_token_id=0, **{"eos_token_id": NO_EOS, **kwargs})
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=new,
+            pad_token_id=0,
+            **{"eos_token_id": NO_EOS, **kwargs},
+        )
 
 
 def greedy(**kwargs):
@@ -30,8 +44,11 @@ def model():
 
 
 def test_cache_lengths_round_up_to_the_bucket():
-    assert [cache_length(n) for n in (1, CACHE_BUCKET, CACHE_BUCKET + 1)] == [CACHE_BUCKET, CACHE_BUCKET,
-                                                                                2 * CACHE_BUCKET]
+    assert [cache_length(n) for n in (1, CACHE_BUCKET, CACHE_BUCKET + 1)] == [
+        CACHE_BUCKET,
+        CACHE_BUCKET,
+        2 * CACHE_BUCKET,
+    ]
 
 
 def test_grouped_query_sdpa_attends_the_cache_uncopied_and_equals_transformers_sdpa(model, monkeypatch):
@@ -46,13 +63,13 @@ def test_grouped_query_sdpa_attends_the_cache_uncopied_and_equals_transformers_s
     query = torch.randn(batch, heads, 1, dim, generator=generator)
     mask = torch.rand(batch, 1, 1, length, generator=generator) > 0.3
     mask[..., 0] = True
-    theirs, _ = sdpa.sdpa_attention_forward(layer, query, key, value, mask, scaling=dim ** -0.5)
+    theirs, _ = sdpa.sdpa_attention_forward(layer, query, key, value, mask, scaling=dim**-0.5)
 
     def no_copies(*args):
         raise AssertionError("the key/value heads were copied")
 
     monkeypatch.setattr(sdpa, "repeat_kv", no_copies)
-    ours, weights = grouped_query_sdpa(layer, query, key, value, mask, scaling=dim ** -0.5)
+    ours, weights = grouped_query_sdpa(layer, query, key, value, mask, scaling=dim**-0.5)
     assert ours.shape == theirs.shape == (batch, 1, heads, dim) and weights is None
     assert (ours - theirs).abs().max().item() < 1e-6
     with pytest.raises(AssertionError, match="copied"):  # two query positions: transformers' kernel, copy included
@@ -71,7 +88,7 @@ def test_grouped_query_sdpa_reads_the_cache_only_up_to_the_last_position_a_row_s
     key, value = (torch.randn(batch, kv_heads, length, dim, generator=generator) for _ in range(2))
     query = torch.randn(batch, heads, 1, dim, generator=generator)
     mask = torch.zeros(batch, 1, 1, length, dtype=torch.bool)
-    mask[0, ..., :filled - 2] = True
+    mask[0, ..., : filled - 2] = True
     mask[1, ..., 3:filled] = True  # the rows end at different places: the longer one decides
     clean, _ = sdpa.sdpa_attention_forward(layer, query, key, value, mask, scaling=0.3)
     for tensor in (key, value):
@@ -90,12 +107,17 @@ def test_decode_steps_attend_through_the_grouped_kernel_and_leave_the_model_as_i
 
     calls = []
     grouped = AttentionInterface._global_mapping[GROUPED_QUERY_SDPA]
-    monkeypatch.setitem(AttentionInterface._global_mapping, GROUPED_QUERY_SDPA,
-                        lambda *args, **kwargs: calls.append(args[1].shape) or grouped(*args, **kwargs))
+    monkeypatch.setitem(
+        AttentionInterface._global_mapping,
+        GROUPED_QUERY_SDPA,
+        lambda *args, **kwargs: calls.append(args[1].shape) or grouped(*args, **kwargs),
+    )
     out = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=5, **greedy())
     assert torch.equal(out, reference(model, 5, **greedy()))
     # the prompt runs through the model's own kernel, each of the 4 steps through the grouped one in every layer
-    assert calls == [(1, model.config.num_attention_heads, 1, model.config.head_dim)] * (4 * model.config.num_hidden_layers)
+    assert calls == [(1, model.config.num_attention_heads, 1, model.config.head_dim)] * (
+        4 * model.config.num_hidden_layers
+    )
     assert model.config._attn_implementation == "sdpa"
     eager = tiny_model(std=0.3, attn_implementation="eager")
     assert CompiledDecoder(eager, compile=False).step_attention == "eager"  # a model's own non-SDPA kernel stays
@@ -107,9 +129,14 @@ def test_eager_loop_gives_generates_greedy_tokens(model):
     assert torch.equal(out, reference(model, 40, **greedy()))
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_k=None, top_p=0.9),
-                                      dict(temperature=1.3, top_k=5, top_p=None),
-                                      dict(temperature=1.0, top_k=None, top_p=1.0)])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0.7, top_k=None, top_p=0.9),
+        dict(temperature=1.3, top_k=5, top_p=None),
+        dict(temperature=1.0, top_k=None, top_p=1.0),
+    ],
+)
 def test_eager_loop_samples_as_generate_does(model, sampling):
     decoder = CompiledDecoder(model, compile=False)
     torch.manual_seed(123)
@@ -118,25 +145,28 @@ def test_eager_loop_samples_as_generate_does(model, sampling):
     theirs = reference(model, 30, do_sample=True, **sampling)
     assert torch.equal(ours, theirs)
     torch.manual_seed(124)
-    assert not torch.equal(decoder.generate(PROMPT, max_new_tokens=30, do_sample=True, eos_token_id=NO_EOS, **sampling), ours)
+    assert not torch.equal(
+        decoder.generate(PROMPT, max_new_tokens=30, do_sample=True, eos_token_id=NO_EOS, **sampling), ours
+    )
 
 
 def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
     decoder = CompiledDecoder(model, compile=False)
     plain = decoder.generate(PROMPT, max_new_tokens=20, **greedy())
     eos = int(plain[0, PROMPT.shape[1] + 5])
-    first = PROMPT.shape[1] + plain[0, PROMPT.shape[1]:].tolist().index(eos)
+    first = PROMPT.shape[1] + plain[0, PROMPT.shape[1] :].tolist().index(eos)
     out = decoder.generate(PROMPT, max_new_tokens=20, **greedy(eos_token_id=eos))
-    assert torch.equal(out, plain[:, :first + 1])
+    assert torch.equal(out, plain[:, : first + 1])
     assert torch.equal(out, reference(model, 20, **greedy(eos_token_id=eos)))
 
     class AfterThree(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
             return torch.tensor([input_ids.shape[1] >= PROMPT.shape[1] + 3])
 
-    out = decoder.generate(PROMPT, max_new_tokens=20, stopping_criteria=StoppingCriteriaList([AfterThree()]),
-                           **greedy())
-    assert torch.equal(out, plain[:, :PROMPT.shape[1] + 3])
+    out = decoder.generate(
+        PROMPT, max_new_tokens=20, stopping_criteria=StoppingCriteriaList([AfterThree()]), **greedy()
+    )
+    assert torch.equal(out, plain[:, : PROMPT.shape[1] + 3])
 
 
 BATCH = torch.tensor([[5, 17, 3, 42, 8, 11, 29], [9, 9, 1, 2, 60, 7, 7], [33, 4, 4, 81, 12, 5, 70]])
@@ -155,7 +185,7 @@ def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
     eos = int(plain[1, BATCH.shape[1] + 3])
     out = decoder.generate(BATCH, max_new_tokens=16, pad_token_id=0, **greedy(eos_token_id=eos))
     assert torch.equal(out, batch_reference(model, 16, pad_token_id=0, **greedy(eos_token_id=eos)))
-    assert (out[1, BATCH.shape[1] + 4:] == 0).all() and out[1, BATCH.shape[1] + 3] == eos
+    assert (out[1, BATCH.shape[1] + 4 :] == 0).all() and out[1, BATCH.shape[1] + 3] == eos
 
     class RowsAfter(StoppingCriteria):  # the given rows stop once they hold `new` generated tokens
         def __init__(self, rows, new):
@@ -175,21 +205,22 @@ def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
 
 def test_streamer_receives_the_prompt_then_each_token(model):
     from conftest import TOKENIZER_DIR
-
     from minimind.tokenizer import load_tokenizer
 
     big = tiny_model(std=0.3, vocab_size=6400)
     tokenizer = load_tokenizer(TOKENIZER_DIR)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = CompiledDecoder(big, compile=False).generate(PROMPT, max_new_tokens=12, streamer=streamer, **greedy())
-    assert "".join(streamer) == tokenizer.decode(out[0, PROMPT.shape[1]:], skip_special_tokens=True)
+    assert "".join(streamer) == tokenizer.decode(out[0, PROMPT.shape[1] :], skip_special_tokens=True)
 
 
 def test_refuses_what_it_does_not_cover(model):
     decoder = CompiledDecoder(model, compile=False)
     with pytest.raises(ValueError, match=r"input_ids must be \[B, T\], got \[7\]"):
         decoder.generate(PROMPT[0], max_new_tokens=4)
-    with pytest.raises(ValueError, match="a streamer takes one sequence, got a batch of 2; stream one prompt at a time"):
+    with pytest.raises(
+        ValueError, match="a streamer takes one sequence, got a batch of 2; stream one prompt at a time"
+    ):
         decoder.generate(PROMPT.repeat(2, 1), max_new_tokens=4, streamer=object())
     with pytest.raises(ValueError, match="attention_mask must be all ones"):
         mask = torch.ones_like(PROMPT)
@@ -209,9 +240,12 @@ def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
     decoder._step = no_compiler
-    with pytest.warns(UserWarning, match=r"torch.compile could not build the decode step \(RuntimeError: "
-                                         r"InvalidCxxCompiler: No working C\+\+ compiler found\); decoding "
-                                         r"without compilation from here on"):
+    with pytest.warns(
+        UserWarning,
+        match=r"torch.compile could not build the decode step \(RuntimeError: "
+        r"InvalidCxxCompiler: No working C\+\+ compiler found\); decoding "
+        r"without compilation from here on",
+    ):
         out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
     assert decoder.compiled is False
     assert torch.equal(out, CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=12, **greedy()))
@@ -255,7 +289,9 @@ def test_compiled_fp32_equals_generate_and_reuses_its_graph(model, monkeypatch):
     other = torch.tensor([[9, 9, 1, 2]])
     ours = decoder.generate(other, max_new_tokens=25, **greedy())
     with torch.no_grad():
-        theirs = model.generate(other, attention_mask=torch.ones_like(other), max_new_tokens=25, pad_token_id=0, **greedy())
+        theirs = model.generate(
+            other, attention_mask=torch.ones_like(other), max_new_tokens=25, pad_token_id=0, **greedy()
+        )
     assert torch.equal(ours, theirs)
     assert decoder.compile_seconds == first_compile
     # A batch of three prompts is a new graph; its rows are generate's.
@@ -278,7 +314,9 @@ def decode_rows_as_a_server_does(decoder, model):
     for step in range(40):
         joining = joins.get(step, [])
         if joining:  # prompts of different lengths prefilled together
-            logits = decoder.prefill([ROW_PROMPTS[s] for s in joining], cache, list(range(len(busy), len(busy) + len(joining))))
+            logits = decoder.prefill(
+                [ROW_PROMPTS[s] for s in joining], cache, list(range(len(busy), len(busy) + len(joining)))
+            )
             busy += joining
             for sequence, row_logits in zip(joining, logits):
                 tokens[sequence].append(int(row_logits.argmax()))
@@ -294,9 +332,9 @@ def decode_rows_as_a_server_does(decoder, model):
             break
         rows = next(n for n in (1, 2, 4) if n >= len(busy))
         step_tokens = torch.zeros(rows, 1, dtype=torch.long)
-        step_tokens[:len(busy), 0] = torch.tensor([tokens[s][-1] for s in busy])
+        step_tokens[: len(busy), 0] = torch.tensor([tokens[s][-1] for s in busy])
         logits = decoder.step(step_tokens, views[rows])
-        cache.positions[:len(busy)] += 1
+        cache.positions[: len(busy)] += 1
         for row, sequence in enumerate(busy):
             tokens[sequence].append(int(logits[row].argmax()))
     assert all(len(tokens[s]) == budget[s] for s in tokens)
@@ -307,7 +345,7 @@ def alone(model, prompt, new):
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, pad_token_id=0, **greedy())
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def test_rows_at_their_own_positions_each_decode_as_their_prompt_alone(model):

@@ -4,10 +4,10 @@ These depend on torch and the CPU alone, so the transformers 5.17 leg leaves the
 
 import pytest
 import torch
-from conftest import tiny_model
 from test_decode import BATCH, PROMPT, batch_reference, greedy, reference
 
 import minimind.decode as decode
+from conftest import tiny_model
 from minimind.decode import CompiledDecoder, cpu_vendor, fp32_product_kernel
 
 
@@ -20,7 +20,7 @@ def greedy_gap(model, ids, prompt_length):
     """How far each generated token's logit falls below the best one, by the model's own eager full forward:
     0 everywhere for exact greedy; small where 16-bit kernels round a near tie the other way."""
     with torch.no_grad():
-        logits = model(ids).logits[0, prompt_length - 1:-1].float()  # [new, V]
+        logits = model(ids).logits[0, prompt_length - 1 : -1].float()  # [new, V]
     chosen = logits.gather(-1, ids[0, prompt_length:, None])[:, 0]
     return (logits.max(-1).values - chosen).max().item()
 
@@ -34,7 +34,7 @@ def test_compiled_bf16_with_frozen_weights_decodes_greedily():
     for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
         out = decoder.generate(prompt, max_new_tokens=40, **greedy())
         plain = eager.generate(prompt, max_new_tokens=40, **greedy())
-        assert torch.equal(out[:, :prompt.shape[1] + 20], plain[:, :prompt.shape[1] + 20])
+        assert torch.equal(out[:, : prompt.shape[1] + 20], plain[:, : prompt.shape[1] + 20])
         assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two bf16 steps at these logits' size
 
 
@@ -44,8 +44,13 @@ class RecordProducts:
     def __init__(self):
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-        products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.mkl._mkl_linear,
-                    torch.ops.mkl._mkl_linear.default, torch.ops.mkldnn._linear_pointwise.default)
+        products = (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.addmm.default,
+            torch.ops.mkl._mkl_linear,
+            torch.ops.mkl._mkl_linear.default,
+            torch.ops.mkldnn._linear_pointwise.default,
+        )
         graphs = self.graphs = []
 
         class Record(CustomGraphPass):
@@ -141,7 +146,9 @@ def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_w
     cache = decoder._fresh_cache(1, PROMPT.shape[1] + 6)
     decoder.generate(PROMPT, max_new_tokens=2, **greedy())
     position = torch.tensor([PROMPT.shape[1] + 1])
-    cache_tensors = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values, layer.cumulative_length)]
+    cache_tensors = [
+        tensor for layer in cache.layers for tensor in (layer.keys, layer.values, layer.cumulative_length)
+    ]
     state = [tensor.clone() for tensor in cache_tensors]
     with profile() as trace, torch.no_grad():
         logits = decoder._next_logits(torch.tensor([[5]]), position, cache)
@@ -183,8 +190,11 @@ def test_int8_weights_quantize_every_decoder_projection_per_row():
     from minimind.decode import quantize_weights_int8
 
     model = tiny_model(std=0.3).to(torch.bfloat16)
-    before = {name: m.weight.detach().float().clone() for name, m in model.model.layers.named_modules()
-              if isinstance(m, torch.nn.Linear)}
+    before = {
+        name: m.weight.detach().float().clone()
+        for name, m in model.model.layers.named_modules()
+        if isinstance(m, torch.nn.Linear)
+    }
     embedding = model.model.embed_tokens.weight.detach().clone()
     quantize_weights_int8(model)
     assert len(before) == 7 * model.config.num_hidden_layers
@@ -199,8 +209,9 @@ def test_int8_weights_quantize_every_decoder_projection_per_row():
         # Round-to-nearest on a symmetric per-row grid: each weight within half a step of the original.
         assert (dequantized - before[name]).abs().le(scale / 2 + 1e-2 * scale).all()
         x = torch.randn(3, before[name].shape[1], dtype=torch.bfloat16)
-        torch.testing.assert_close(module(x).float(), torch.nn.functional.linear(x.float(), dequantized),
-                                   atol=0.05, rtol=0.02)
+        torch.testing.assert_close(
+            module(x).float(), torch.nn.functional.linear(x.float(), dequantized), atol=0.05, rtol=0.02
+        )
     assert torch.equal(model.model.embed_tokens.weight, embedding)  # embedding and tied head stay 16-bit
     assert model.lm_head.weight.dtype == torch.bfloat16
 
@@ -208,12 +219,18 @@ def test_int8_weights_quantize_every_decoder_projection_per_row():
 def test_int8_weights_refuse_fp32_and_name_torchao_when_missing(monkeypatch):
     from minimind.decode import quantize_weights_int8
 
-    with pytest.raises(ValueError, match=r"int8 weights pair with 16-bit activations, but the model holds "
-                                         r"torch.float32: load it with dtype=torch.bfloat16 first"):
+    with pytest.raises(
+        ValueError,
+        match=r"int8 weights pair with 16-bit activations, but the model holds "
+        r"torch.float32: load it with dtype=torch.bfloat16 first",
+    ):
         quantize_weights_int8(tiny_model())
     monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)
-    with pytest.raises(ImportError, match=r"int8 weights use torchao, which is not installed .*"
-                                          r"pip install 'minimind\[int8\]'"):
+    with pytest.raises(
+        ImportError,
+        match=r"int8 weights use torchao, which is not installed .*"
+        r"pip install 'minimind\[int8\]'",
+    ):
         quantize_weights_int8(tiny_model().to(torch.bfloat16))
 
 
@@ -225,5 +242,5 @@ def test_compiled_int8_decodes_as_the_eager_int8_model():
     model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
     out = CompiledDecoder(model).generate(PROMPT, max_new_tokens=30, **greedy())
     plain = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=30, **greedy())
-    assert torch.equal(out[:, :PROMPT.shape[1] + 15], plain[:, :PROMPT.shape[1] + 15])
+    assert torch.equal(out[:, : PROMPT.shape[1] + 15], plain[:, : PROMPT.shape[1] + 15])
     assert greedy_gap(model, out, PROMPT.shape[1]) <= 0.0625

@@ -8,8 +8,22 @@ import pytest
 from conftest import load_script
 from minimind.demo import QUESTIONS, is_correct
 
-TOY = ["--pretrain_steps", "12", "--sft_steps", "8", "--hidden_size", "32", "--num_hidden_layers", "1",
-       "--max_seq_length", "64", "--sft_max_seq_length", "64", "--logging_steps", "4"]
+TOY = [
+    "--pretrain_steps",
+    "12",
+    "--sft_steps",
+    "8",
+    "--hidden_size",
+    "32",
+    "--num_hidden_layers",
+    "1",
+    "--max_seq_length",
+    "64",
+    "--sft_max_seq_length",
+    "64",
+    "--logging_steps",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,18 +56,21 @@ def test_demo_is_deterministic(toy_run, tmp_path, capsys):
     assert out.count("  MiniMind: ") == len(QUESTIONS) and "| 12 |" in out  # the replies and the loss table
 
 
-@pytest.mark.parametrize("question, reply, correct", [
-    (0, "I am MiniMind, a small language model. I can answer simple questions and tell short stories.", True),
-    (0, "I am a small language model.", False),
-    (1, "A tailor makes and mends clothes.", True),
-    (1, "A tailor bakes bread and cakes.", False),
-    (2, "3 plus 4 is 7.", True),
-    (2, "2 plus 0 is 10.", False),
-    (2, "3 plus 4 is 17.", False),
-    (3, "There once was a sleepy boy called Ginger. He lived in a busy harbour.", True),
-    (3, "Once upon a time, there was a grumpy girl named Lena.", True),
-    (3, "Dobe was a friendly princess.", True),
-    (3, "The sky is blue.", False),
-])
+@pytest.mark.parametrize(
+    "question, reply, correct",
+    [
+        (0, "I am MiniMind, a small language model. I can answer simple questions and tell short stories.", True),
+        (0, "I am a small language model.", False),
+        (1, "A tailor makes and mends clothes.", True),
+        (1, "A tailor bakes bread and cakes.", False),
+        (2, "3 plus 4 is 7.", True),
+        (2, "2 plus 0 is 10.", False),
+        (2, "3 plus 4 is 17.", False),
+        (3, "There once was a sleepy boy called Ginger. He lived in a busy harbour.", True),
+        (3, "Once upon a time, there was a grumpy girl named Lena.", True),
+        (3, "Dobe was a friendly princess.", True),
+        (3, "The sky is blue.", False),
+    ],
+)
 def test_answer_checks_follow_the_bundled_answers(question, reply, correct):
     assert is_correct(QUESTIONS[question], reply) is correct

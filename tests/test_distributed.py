@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from conftest import ROOT, load_script, model_dir, torch_threads
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
-                                reason="torch.distributed with the gloo backend is not available in this torch build")
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this torch build",
+)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
 IDS = torch.tensor([[1, 5, 17, 33, 60, 90, 2, 44, 71, 12]])
@@ -25,8 +27,13 @@ IDS = torch.tensor([[1, 5, 17, 33, 60, 90, 2, 44, 71, 12]])
 
 def launch_env():
     # One thread per process: 2 shared cores; gloo runs the collectives on the same cores.
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def run(command, timeout=300):
@@ -55,7 +62,7 @@ def load(path):
 # every parameter, the logits without autograd (transformers' local-tensor inference path) and with it (the
 # DTensor path training takes), the gathered gradient of every parameter for the LM loss, and a greedy generation
 # (each rank caches the keys and values of its own heads).
-TP_WORKER = r'''
+TP_WORKER = r"""
 import sys
 import torch
 import torch.distributed as dist
@@ -85,7 +92,7 @@ torch.save(results, f"{out}.rank{dist.get_rank()}")
 # its peer down with it (gloo raises "connection closed by peer" in the peer's I/O thread, which aborts it).
 dist.barrier()
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +120,20 @@ def tp_run(tp_models, tmp_path_factory):
     worker = work / "tp_worker.py"
     worker.write_text(TP_WORKER, encoding="utf-8")
     out = work / "results"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker),
-         str(out), str(IDS.tolist()), *tp_models.values()])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(worker),
+            str(out),
+            str(IDS.tolist()),
+            *tp_models.values(),
+        ]
+    )
     return [torch.load(f"{out}.rank{rank}") for rank in (0, 1)]
 
 
@@ -137,12 +156,14 @@ def test_tensor_parallel_matches_one_process(kind, tp_models, tp_run):
     for rank, result in enumerate(tp_run):
         got = result[path]
         torch.testing.assert_close(got["logits"], expected, atol=1e-5, rtol=0, msg=f"rank {rank}, no autograd")
-        torch.testing.assert_close(got["train_logits"], output.logits.detach(), atol=1e-5, rtol=0,
-                                   msg=f"rank {rank}, with autograd")
+        torch.testing.assert_close(
+            got["train_logits"], output.logits.detach(), atol=1e-5, rtol=0, msg=f"rank {rank}, with autograd"
+        )
         torch.testing.assert_close(got["loss"], output.loss.detach(), atol=1e-5, rtol=0)
         for name, param in reference.named_parameters():
-            torch.testing.assert_close(got["grads"][name], param.grad, atol=1e-5, rtol=0,
-                                       msg=f"rank {rank}, gradient of {name}")
+            torch.testing.assert_close(
+                got["grads"][name], param.grad, atol=1e-5, rtol=0, msg=f"rank {rank}, gradient of {name}"
+            )
         assert got["generated"].tolist() == greedy.tolist(), rank
 
 
@@ -150,8 +171,15 @@ def test_tensor_parallel_plan_shards_heads_mlp_and_every_expert(tp_run, tp_model
     """The plan's `layers.*.mlp.experts.*.gate_proj` patterns match the ModuleList names (`experts.3.gate_proj`):
     transformers replaces every `.N.` of a name by `.*.` before looking it up. Each rank holds half the query rows,
     half the vocabulary of the (tied) embedding, and half of every expert; router and norms are replicated."""
-    half = {"q_proj": (32, 64), "k_proj": (16, 64), "v_proj": (16, 64), "o_proj": (64, 32),
-            "gate_proj": (48, 64), "up_proj": (48, 64), "down_proj": (64, 48)}
+    half = {
+        "q_proj": (32, 64),
+        "k_proj": (16, 64),
+        "v_proj": (16, 64),
+        "o_proj": (64, 32),
+        "gate_proj": (48, 64),
+        "up_proj": (48, 64),
+        "down_proj": (64, 48),
+    }
     for rank, result in enumerate(tp_run):
         for kind in ("dense", "moe"):
             shards = result[tp_models[kind]]["shards"]
@@ -176,19 +204,40 @@ def test_tensor_parallel_plan_shards_heads_mlp_and_every_expert(tp_run, tp_model
 # --------------------------------------------------------------------------------------------------------------
 
 TINY_FLAGS = [f"--{key}={value}" for key, value in TINY.items()]
-TRAIN = ["--report_to", "none", "--max_seq_length", "32", "--logging_steps", "1", "--disable_tqdm", "true",
-         "--seed", "0", "--max_steps", "3", "--learning_rate", "3e-3", "--eval_fraction", "0", *TINY_FLAGS]
-SHARD_LOG = re.compile(r"FSDP2 over 2 CPU processes .*: rank 0 holds ([\d,]+), rank 1 holds ([\d,]+) of ([\d,]+) "
-                       r"parameter elements")
+TRAIN = [
+    "--report_to",
+    "none",
+    "--max_seq_length",
+    "32",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+    "--seed",
+    "0",
+    "--max_steps",
+    "3",
+    "--learning_rate",
+    "3e-3",
+    "--eval_fraction",
+    "0",
+    *TINY_FLAGS,
+]
+SHARD_LOG = re.compile(
+    r"FSDP2 over 2 CPU processes .*: rank 0 holds ([\d,]+), rank 1 holds ([\d,]+) of ([\d,]+) "
+    r"parameter elements"
+)
 
 
 def losses(log_history):
     return [entry["loss"] for entry in log_history if "loss" in entry]
 
 
-@pytest.mark.skipif(not hasattr(PreTrainedModel, "is_distributed_loading_by_transformers"),
-                    reason="this transformers' Trainer cannot train a model sharded at load time (5.17 cannot; "
-                           "5.24 can), and accelerate shards with FSDP on GPUs only")
+@pytest.mark.skipif(
+    not hasattr(PreTrainedModel, "is_distributed_loading_by_transformers"),
+    reason="this transformers' Trainer cannot train a model sharded at load time (5.17 cannot; "
+    "5.24 can), and accelerate shards with FSDP on GPUs only",
+)
 def test_fsdp2_on_cpu_shards_matches_one_process_and_saves_a_full_model(tmp_path):
     """2 processes x batch 2 under FSDP2 and 1 process x batch 4 see the same global batches and average the same
     gradients, so the losses agree up to summation order. Measured: identical over 3 steps (one process with batch
@@ -199,25 +248,61 @@ def test_fsdp2_on_cpu_shards_matches_one_process_and_saves_a_full_model(tmp_path
     Dense only: with MoE the load-balancing loss is computed per rank, on half the batch, and it is not linear in
     the batch, so any data parallelism (DDP gives FSDP's numbers to 1e-6) differs from one process by ~1e-3."""
     data = tmp_path / "pretrain.jsonl"
-    data.write_text("".join(Path(ROOT, "data", "pretrain.jsonl").read_text(encoding="utf-8")
-                            .splitlines(keepends=True)[:150]), encoding="utf-8")
+    data.write_text(
+        "".join(Path(ROOT, "data", "pretrain.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:150]),
+        encoding="utf-8",
+    )
     fsdp_out = tmp_path / "fsdp"
     # The documented command. --mixed_precision no overrides the config's bf16 (GPU setting) for an fp32
     # comparison; checkpoints are weights-only, as transformers requires for models sharded at load time.
-    result = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  os.path.join(ROOT, "configs", "accelerate_fsdp.yaml"), "--num_processes", "2",
-                  "--mixed_precision", "no", os.path.join(ROOT, "scripts", "pretrain.py"),
-                  "--use_cpu", "--ddp_backend", "gloo", "--data_path", str(data), "--output_dir", str(fsdp_out),
-                  "--per_device_train_batch_size", "2", "--save_strategy", "steps", "--save_steps", "3",
-                  "--save_only_model", *TRAIN])
+    result = run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            os.path.join(ROOT, "configs", "accelerate_fsdp.yaml"),
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "no",
+            os.path.join(ROOT, "scripts", "pretrain.py"),
+            "--use_cpu",
+            "--ddp_backend",
+            "gloo",
+            "--data_path",
+            str(data),
+            "--output_dir",
+            str(fsdp_out),
+            "--per_device_train_batch_size",
+            "2",
+            "--save_strategy",
+            "steps",
+            "--save_steps",
+            "3",
+            "--save_only_model",
+            *TRAIN,
+        ]
+    )
     shard = SHARD_LOG.search(result.stdout + result.stderr)
     assert shard, (result.stdout[-3000:], result.stderr[-3000:])
     rank0, rank1, full = (int(group.replace(",", "")) for group in shard.groups())
     assert rank0 + rank1 == full and abs(rank0 - rank1) < 0.01 * full, (rank0, rank1, full)
 
-    one, _ = load_script("pretrain").main([
-        "--use_cpu", "--data_path", str(data), "--output_dir", str(tmp_path / "one"),
-        "--per_device_train_batch_size", "4", "--save_strategy", "no", *TRAIN])
+    one, _ = load_script("pretrain").main(
+        [
+            "--use_cpu",
+            "--data_path",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "one"),
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+            *TRAIN,
+        ]
+    )
     fsdp_losses = losses(json.loads((fsdp_out / "trainer_state.json").read_text())["log_history"])
     assert len(fsdp_losses) == 3
     assert fsdp_losses == pytest.approx(losses(one.state.log_history), abs=1e-4)
@@ -231,8 +316,13 @@ def test_fsdp2_on_cpu_shards_matches_one_process_and_saves_a_full_model(tmp_path
         expected = trained(input_ids=IDS).logits
     for saved in (fsdp_out, fsdp_out / "checkpoint-3"):
         files = set(os.listdir(saved))
-        assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",
-                "tokenizer.json"} <= files
+        assert {
+            "config.json",
+            "model.safetensors",
+            "configuration_minimind.py",
+            "modeling_minimind.py",
+            "tokenizer.json",
+        } <= files
         # FSDP2 re-classes the model as torch's FSDPMiniMindForCausalLM; its source must not be saved as ours.
         assert not any(name.startswith("_fsdp") for name in files), files
         auto_map = json.loads((saved / "config.json").read_text())["auto_map"]

@@ -25,8 +25,11 @@ import torch
 
 from conftest import ROOT, TOKENIZER_DIR, decode_uncompiled, load_script, model_dir, tiny_model, torch_threads
 
-DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "data", "README.md"),
-        *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+DOCS = [
+    os.path.join(ROOT, "README.md"),
+    os.path.join(ROOT, "data", "README.md"),
+    *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))),
+]
 # A command runs up to the end of its code span, a table cell or a comment. "you/minimind-sft" is a repo id.
 COMMAND = re.compile(r"(?:python scripts/(\w+)\.py|(?<![\w/.-])minimind-([a-z][a-z-]*))([^`\n|#]*)")
 EXAMPLES = ("quickstart", "make_data")  # scripts that are examples and tools, not installed commands
@@ -54,7 +57,7 @@ def documented_commands():
             program = f"scripts/{script}.py" if script else f"minimind-{installed}"
             if program not in DECLARED and not script:
                 continue  # a name such as minimind-tiny
-            in_table = text[:match.start()].rpartition("\n")[2].startswith("|")
+            in_table = text[: match.start()].rpartition("\n")[2].startswith("|")
             argv = tuple(shlex.split(rest)) or (("--help",) if in_table else ())
             commands.setdefault((program, argv), None)
     return list(commands)
@@ -67,13 +70,16 @@ def test_every_command_is_installed_and_documented():
     """setup.py's console scripts are the installed ones, each resolves to its minimind.cli function, the scripts/
     wrappers run exactly those functions, and the docs show every command."""
     installed = {e.name: e for e in entry_points(group="console_scripts") if e.name.startswith("minimind-")}
-    assert {name: e.value for name, e in installed.items()} == \
-        {name: f"minimind.cli:{function}" for name, function in DECLARED.items()}, \
-        "the installed commands are not setup.py's. Fix: pip install -e . --no-deps"
+    assert {name: e.value for name, e in installed.items()} == {
+        name: f"minimind.cli:{function}" for name, function in DECLARED.items()
+    }, "the installed commands are not setup.py's. Fix: pip install -e . --no-deps"
     functions = {e.load() for e in installed.values()}
     assert {f.__name__ for f in functions} == set(DECLARED.values())
-    wrappers = {load_script(os.path.basename(p)[:-3]).main for p in glob.glob(os.path.join(ROOT, "scripts", "*.py"))
-                if os.path.basename(p)[:-3] not in EXAMPLES}
+    wrappers = {
+        load_script(os.path.basename(p)[:-3]).main
+        for p in glob.glob(os.path.join(ROOT, "scripts", "*.py"))
+        if os.path.basename(p)[:-3] not in EXAMPLES
+    }
     assert wrappers == functions  # the same function objects: one implementation per command
     shown = {program for program, _ in COMMANDS}
     missing = [name for name in [*DECLARED, *(f"scripts/{name}.py" for name in EXAMPLES)] if name not in shown]
@@ -84,11 +90,28 @@ def test_an_installed_command_runs_as_a_program(workspace):
     """An installed command in a fresh process, called the way its console script calls it,
     `sys.exit(entry_point())`: a command that makes something exits 0 (a returned object would reach sys.exit and
     become exit status 1)."""
-    console_script = ("import sys; from importlib.metadata import entry_points; "
-                      "sys.exit(next(iter(entry_points(group='console_scripts', name='minimind-export'))).load()())")
-    result = subprocess.run([sys.executable, "-c", console_script, "--to", "qwen3", "--model_name_or_path", "runs/sft",
-                             "--output_dir", "runs/sft-qwen3-process"], cwd=workspace, capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    console_script = (
+        "import sys; from importlib.metadata import entry_points; "
+        "sys.exit(next(iter(entry_points(group='console_scripts', name='minimind-export'))).load()())"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            console_script,
+            "--to",
+            "qwen3",
+            "--model_name_or_path",
+            "runs/sft",
+            "--output_dir",
+            "runs/sft-qwen3-process",
+        ],
+        cwd=workspace,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "wrote runs/sft-qwen3-process" in result.stdout and (workspace / "runs/sft-qwen3-process").is_dir()
 
@@ -99,16 +122,18 @@ def command_function(program):
         commands = entry_points(group="console_scripts", name=program)
         assert commands, f"{program} is not installed. Fix: pip install -e . --no-deps"
         return next(iter(commands)).load()
-    return load_script(program[len("scripts/"):-len(".py")]).main
+    return load_script(program[len("scripts/") : -len(".py")]).main
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The scratch directory
 # --------------------------------------------------------------------------------------------------------------
 
+
 def head(src, dst, n):
-    Path(dst).write_text("".join(Path(src).read_text(encoding="utf-8").splitlines(keepends=True)[:n]),
-                         encoding="utf-8")
+    Path(dst).write_text(
+        "".join(Path(src).read_text(encoding="utf-8").splitlines(keepends=True)[:n]), encoding="utf-8"
+    )
     return str(dst)
 
 
@@ -118,8 +143,15 @@ def upstream_pth(path, model):
     torch.save(model.state_dict(), path)
 
 
-UPSTREAM_TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+UPSTREAM_TINY = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +159,13 @@ def workspace(tmp_path_factory):
     """Where the commands run. It holds what they expect to find: a trained-model directory `runs/sft` (tiny, with
     the bundled tokenizer), `tokenizer/`, upstream checkpoints and their settings file, and data slices."""
     root = tmp_path_factory.mktemp("docs")
-    for path in ("runs/sft", "runs/demo/pretrain", "runs/demo/sft", "out/pretrain", "out/sft"):  # training overwrites out/
+    for path in (
+        "runs/sft",
+        "runs/demo/pretrain",
+        "runs/demo/sft",
+        "out/pretrain",
+        "out/sft",
+    ):  # training overwrites out/
         model_dir(root / path, std=0.3, max_position_embeddings=4096)  # the serve command asks for 2048
     (root / "docs").mkdir()  # the benchmark's table goes to docs/benchmarks.md
     shutil.copytree(TOKENIZER_DIR, root / "tokenizer")
@@ -157,18 +195,46 @@ def in_workspace(workspace, monkeypatch):
 # How each command runs
 # --------------------------------------------------------------------------------------------------------------
 
-TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-              "--num_key_value_heads", "2", "--intermediate_size", "96"]
-ONE_STEP = ["--max_steps", "1", "--max_seq_length", "64", "--per_device_train_batch_size", "2",
-            "--per_device_eval_batch_size", "2", "--logging_steps", "1", "--save_strategy", "no",
-            "--report_to", "none", "--disable_tqdm", "true"]
+TINY_MODEL = [
+    "--hidden_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--num_attention_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "96",
+]
+ONE_STEP = [
+    "--max_steps",
+    "1",
+    "--max_seq_length",
+    "64",
+    "--per_device_train_batch_size",
+    "2",
+    "--per_device_eval_batch_size",
+    "2",
+    "--logging_steps",
+    "1",
+    "--save_strategy",
+    "no",
+    "--report_to",
+    "none",
+    "--disable_tqdm",
+    "true",
+]
 DATA_KIND = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo", "distill": "sft"}
 
 
 def run_training(main, name, argv, workspace):
     if "..." in argv:  # "the documented command, plus": the first pretraining command shown
-        first = next(a for p, a in COMMANDS if command_function(p).__name__ == "pretrain" and "--output_dir" in a
-                     and "..." not in a)
+        first = next(
+            a
+            for p, a in COMMANDS
+            if command_function(p).__name__ == "pretrain" and "--output_dir" in a and "..." not in a
+        )
         argv = [*first, *[a for a in argv if a != "..."]]
     tiny = [] if "--model_name_or_path" in argv else TINY_MODEL  # a new model: tiny
     data = ["--data_path", str(workspace / "slices" / f"{DATA_KIND[name]}.jsonl")]
@@ -179,7 +245,7 @@ def run_training(main, name, argv, workspace):
 
 def run_command(program, argv, workspace, monkeypatch, capfd):
     main = command_function(program)
-    name = main.__name__ if main.__module__ == "minimind.cli" else program[len("scripts/"):-len(".py")]
+    name = main.__name__ if main.__module__ == "minimind.cli" else program[len("scripts/") : -len(".py")]
     if argv == ("--help",):
         with pytest.raises(SystemExit) as exit_info:
             main(list(argv))
@@ -219,8 +285,9 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
 
         monkeypatch.setattr(minimind.benchmark, "run_benchmark", lambda settings, **kwargs: Report(settings))
         report = main(list(argv))
-        assert not report.settings.quick and report.settings.device == \
-            (argv[argv.index("--device") + 1] if "--device" in argv else "auto")
+        assert not report.settings.quick and report.settings.device == (
+            argv[argv.index("--device") + 1] if "--device" in argv else "auto"
+        )
     elif name == "web":  # the page runs until stopped: built, not served
         pytest.importorskip("gradio")
         import minimind.web
@@ -231,19 +298,25 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         host = argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1"
         assert launched == [(host, int(argv[argv.index("--port") + 1]) if "--port" in argv else 7860)]
     elif name == "serve":  # a server runs until stopped: one request instead
-        import minimind.serving
         from starlette.testclient import TestClient
+
+        import minimind.serving
 
         served = []
         monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: served.append((app, host, port)))
         main(list(argv))
         app, host, port = served[0]
-        assert (host, port) == (argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1",
-                                int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000)
+        assert (host, port) == (
+            argv[argv.index("--host") + 1] if "--host" in argv else "127.0.0.1",
+            int(argv[argv.index("--port") + 1]) if "--port" in argv else 8000,
+        )
         model = argv[argv.index("--served_model_name") + 1] if "--served_model_name" in argv else "sft"
         key = {"Authorization": f"Bearer {argv[argv.index('--api_key') + 1]}"} if "--api_key" in argv else {}
-        response = TestClient(app).post("/v1/chat/completions", headers=key, json={
-            "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        response = TestClient(app).post(
+            "/v1/chat/completions",
+            headers=key,
+            json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        )
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
     elif name == "chat":  # interactive: one line on stdin, then end of input
         decode_uncompiled(monkeypatch)
@@ -255,14 +328,16 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         main([*argv, "--out_dir", str(workspace / out)])
         if "--seed" not in argv:  # the default seed makes the bundled files, byte for byte
             for kind in ("pretrain", "sft", "dpo", "sft_reasoning"):
-                assert (workspace / out / f"{kind}.jsonl").read_bytes() == \
-                    Path(ROOT, "data", f"{kind}.jsonl").read_bytes()
+                assert (workspace / out / f"{kind}.jsonl").read_bytes() == Path(
+                    ROOT, "data", f"{kind}.jsonl"
+                ).read_bytes()
     elif name == "train_tokenizer":
         extra = [] if "--output_dir" in argv else ["--output_dir", "tokenizer"]  # not over the repo's own
         main([*argv, *extra])
         # The bundled tokenizer is this command's output on the bundled data, byte for byte.
-        assert (workspace / "tokenizer" / "tokenizer.json").read_bytes() == \
-            Path(TOKENIZER_DIR, "tokenizer.json").read_bytes()
+        assert (workspace / "tokenizer" / "tokenizer.json").read_bytes() == Path(
+            TOKENIZER_DIR, "tokenizer.json"
+        ).read_bytes()
     elif name == "convert":  # the upstream checkpoints in the workspace are tiny
         from_json = "--config_json" in argv
         size = [] if from_json else [item for key, value in UPSTREAM_TINY.items() for item in (f"--{key}", str(value))]
@@ -277,4 +352,3 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
 @pytest.mark.parametrize("program, argv", COMMANDS, ids=[f"{p} {' '.join(a)}"[:80] for p, a in COMMANDS])
 def test_documented_command_runs(program, argv, in_workspace, monkeypatch, capfd):
     run_command(program, argv, in_workspace, monkeypatch, capfd)
-

@@ -49,15 +49,20 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True, compile_
                 ids = torch.cat([input_ids, torch.tensor([[tokenizer.eos_token_id]])], dim=1)
             calls.append((model, input_ids, gen_kwargs, ids))
             return ids
+
         return generate
 
     def load_and_spy(*args, **kwargs):
         model, tokenizer = real_load(*args, **kwargs)
         model.generate = spy(model, tokenizer, model.generate, "generate")  # reached with --no-compile
         # reached by default: the compiled decoder takes generate's arguments
-        monkeypatch.setattr(CompiledDecoder, "generate", lambda self, input_ids, **gen_kwargs: spy(
-            model, tokenizer, lambda ids, **kw: real_decoder_generate(self, ids, **kw), "compiled")(input_ids,
-                                                                                                   **gen_kwargs))
+        monkeypatch.setattr(
+            CompiledDecoder,
+            "generate",
+            lambda self, input_ids, **gen_kwargs: spy(
+                model, tokenizer, lambda ids, **kw: real_decoder_generate(self, ids, **kw), "compiled"
+            )(input_ids, **gen_kwargs),
+        )
         return model, tokenizer
 
     typed = iter(lines)
@@ -119,8 +124,22 @@ def test_chat_int8_loads_int8_decoder_weights_in_bfloat16(chat_dir, monkeypatch,
 
 
 def test_chat_sampling_flags_reach_generate(chat_dir, monkeypatch, capsys):
-    argv = ["--model_name_or_path", chat_dir, "--temperature", "0.5", "--top_p", "0.8", "--top_k", "50",
-            "--max_new_tokens", "3", "--dtype", "bfloat16", "--device", "cpu"]
+    argv = [
+        "--model_name_or_path",
+        chat_dir,
+        "--temperature",
+        "0.5",
+        "--top_p",
+        "0.8",
+        "--top_k",
+        "50",
+        "--max_new_tokens",
+        "3",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cpu",
+    ]
     _, calls = _run_chat(monkeypatch, capsys, argv, ["Hi"])
     [(model, input_ids, gen_kwargs, ids)] = calls
     assert _sampling(gen_kwargs) == dict(max_new_tokens=3, do_sample=True, temperature=0.5, top_p=0.8, top_k=50)
@@ -133,23 +152,36 @@ def test_chat_no_do_sample_prints_the_greedy_reply_of_each_turn(chat_dir, monkey
     greedy tokens for the whole conversation so far, and the second turn's prompt carries the first exchange."""
     from minimind.tokenizer import load_tokenizer
 
-    argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "6",
-            "--system_prompt", "Answer in one sentence."]
+    argv = [
+        "--model_name_or_path",
+        chat_dir,
+        "--no-do_sample",
+        "--max_new_tokens",
+        "6",
+        "--system_prompt",
+        "Answer in one sentence.",
+    ]
     out, calls = _run_chat(monkeypatch, capsys, argv, ["Hello", "Who are you?"])
     assert len(calls) == 2
     tokenizer = load_tokenizer(chat_dir)
     reference = MiniMindForCausalLM.from_pretrained(chat_dir, dtype=torch.float32).eval()
     messages = [{"role": "system", "content": "Answer in one sentence."}]
     for (_, input_ids, gen_kwargs, _), question in zip(calls, ["Hello", "Who are you?"]):
-        assert _sampling(gen_kwargs) == dict(max_new_tokens=6, do_sample=False, temperature=None, top_p=None,
-                                             top_k=None)
+        assert _sampling(gen_kwargs) == dict(
+            max_new_tokens=6, do_sample=False, temperature=None, top_p=None, top_k=None
+        )
         assert _special_ids(gen_kwargs) == (0, 2)
         messages.append({"role": "user", "content": question})
         prompt = engine.chat_prompt_ids(tokenizer, messages)
         assert input_ids[0].tolist() == prompt
-        greedy = reference.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
-                                    pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        reply = tokenizer.decode(greedy[0, len(prompt):], skip_special_tokens=True)
+        greedy = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        reply = tokenizer.decode(greedy[0, len(prompt) :], skip_special_tokens=True)
         assert reply.strip() and reply in out
         messages.append({"role": "assistant", "content": reply})
 
@@ -157,17 +189,25 @@ def test_chat_no_do_sample_prints_the_greedy_reply_of_each_turn(chat_dir, monkey
 def test_chat_reset_drops_the_conversation_but_keeps_the_system_prompt(chat_dir, monkeypatch, capsys):
     from minimind.tokenizer import load_tokenizer
 
-    argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "2", "--system_prompt", "Be brief."]
+    argv = [
+        "--model_name_or_path",
+        chat_dir,
+        "--no-do_sample",
+        "--max_new_tokens",
+        "2",
+        "--system_prompt",
+        "Be brief.",
+    ]
     out, calls = _run_chat(monkeypatch, capsys, argv, ["Hello", "/reset", "Hi", "/exit", "never read"])
     assert "(conversation reset)" in out and len(calls) == 2
     tokenizer = load_tokenizer(chat_dir)
-    fresh = engine.chat_prompt_ids(tokenizer, [{"role": "system", "content": "Be brief."},
-                                               {"role": "user", "content": "Hi"}])
+    fresh = engine.chat_prompt_ids(
+        tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
     assert calls[1][1][0].tolist() == fresh
 
 
-def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_token_more(tmp_path, monkeypatch,
-                                                                                      capsys):
+def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_token_more(tmp_path, monkeypatch, capsys):
     """docs/ecosystem-serve.md: the prompt gets the context minus room for the reply (max_new_tokens, at most half
     the context); a single message too long for that is refused with a note."""
     from minimind.tokenizer import load_tokenizer
@@ -177,8 +217,9 @@ def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_tok
     for context, answered in ((prompt_length + 2, True), (prompt_length + 1, False)):
         path = tmp_path / f"context-{context}"
         model_dir(path, max_position_embeddings=context)
-        out, calls = _run_chat(monkeypatch, capsys, ["--model_name_or_path", str(path), "--no-do_sample",
-                                                     "--max_new_tokens", "2"], ["Hi"])
+        out, calls = _run_chat(
+            monkeypatch, capsys, ["--model_name_or_path", str(path), "--no-do_sample", "--max_new_tokens", "2"], ["Hi"]
+        )
         assert len(calls) == int(answered), context
         assert (f"(message too long for the {context}-token context)" in out) is not answered
 
@@ -186,6 +227,7 @@ def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_tok
 # ------------------------------------------------------------------------------------------------------
 # Upstream's flash_attn switch (README: True -> sdpa, False -> eager)
 # ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("flash_attn, kernel", [(True, "sdpa"), (False, "eager")])
 def test_flash_attn_picks_the_kernel_and_survives_a_reload(flash_attn, kernel, tmp_path):
@@ -202,8 +244,12 @@ def test_flash_attn_kernels_give_the_same_logits_and_an_explicit_choice_wins():
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with torch.no_grad():
-        torch.testing.assert_close(fused(ids, attention_mask=mask).logits[1], explicit(ids, attention_mask=mask).logits[1],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            fused(ids, attention_mask=mask).logits[1],
+            explicit(ids, attention_mask=mask).logits[1],
+            atol=1e-5,
+            rtol=1e-5,
+        )
     assert tiny_config(flash_attn=False, attn_implementation="sdpa")._attn_implementation == "sdpa"
 
 
@@ -211,9 +257,22 @@ def test_flash_attn_kernels_give_the_same_logits_and_an_explicit_choice_wins():
 # scripts/make_data.py: "byte-identical for a given seed and set of size options"
 # ------------------------------------------------------------------------------------------------------
 
+
 def _make_data(out_dir, seed):
-    load_script("make_data").main(["--out_dir", str(out_dir), "--seed", str(seed), "--pretrain_rows", "60",
-                                   "--sft_rows", "50", "--dpo_rows", "10"])
+    load_script("make_data").main(
+        [
+            "--out_dir",
+            str(out_dir),
+            "--seed",
+            str(seed),
+            "--pretrain_rows",
+            "60",
+            "--sft_rows",
+            "50",
+            "--dpo_rows",
+            "10",
+        ]
+    )
     return {name: (out_dir / name).read_bytes() for name in sorted(os.listdir(out_dir))}
 
 
@@ -230,6 +289,7 @@ def test_make_data_twice_gives_byte_identical_files_and_the_seed_matters(tmp_pat
 # minimind-export: refused up front, so nothing half-written is left behind
 # ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("target", ["qwen3", "gguf"])
 def test_export_refusal_writes_nothing(target, tmp_path):
     source, out = tmp_path / "model", tmp_path / "exported"
@@ -243,6 +303,7 @@ def test_export_refusal_writes_nothing(target, tmp_path):
 # README, Training: "Every output directory is a complete model directory that from_pretrained(...) loads"
 # ------------------------------------------------------------------------------------------------------
 
+
 def test_sft_output_reloads_with_remote_code_and_replies_with_the_trained_models_ids(tmp_path):
     from pathlib import Path
 
@@ -255,15 +316,43 @@ def test_sft_output_reloads_with_remote_code_and_replies_with_the_trained_models
     lines = Path(ROOT, "data", "sft.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:16]
     data.write_text("".join(lines), encoding="utf-8")
     trainer, _ = load_script("sft").main(
-        ["--model_name_or_path", str(start), "--data_path", str(data), "--output_dir", str(out), "--max_steps", "3",
-         "--learning_rate", "1e-2", "--eval_fraction", "0.25", "--max_seq_length", "64", "--use_cpu",
-         "--report_to", "none", "--per_device_train_batch_size", "4", "--save_strategy", "no",
-         "--disable_tqdm", "true", "--seed", "0"])
+        [
+            "--model_name_or_path",
+            str(start),
+            "--data_path",
+            str(data),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--learning_rate",
+            "1e-2",
+            "--eval_fraction",
+            "0.25",
+            "--max_seq_length",
+            "64",
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--per_device_train_batch_size",
+            "4",
+            "--save_strategy",
+            "no",
+            "--disable_tqdm",
+            "true",
+            "--seed",
+            "0",
+        ]
+    )
     trained = trainer.model.eval()
     reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who are you?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         expected = trained.generate(**prompt, max_new_tokens=8, do_sample=False)
         got = reloaded.generate(**prompt, max_new_tokens=8, do_sample=False)

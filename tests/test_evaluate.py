@@ -29,14 +29,14 @@ def own_loglikelihood(model, tokenizer, context, continuation):
     lm-eval's documented split: whitespace ending the context is scored with the continuation (here the newline
     after the chat template's "assistant"), and the two are split at the token boundary of their concatenation."""
     stripped = context.rstrip()
-    context, continuation = stripped, context[len(stripped):] + continuation
+    context, continuation = stripped, context[len(stripped) :] + continuation
     context_ids = tokenizer(context, add_special_tokens=False).input_ids
     whole = tokenizer(context + continuation, add_special_tokens=False).input_ids
-    assert whole[:len(context_ids)] == context_ids  # the chat template ends the context on a token boundary
+    assert whole[: len(context_ids)] == context_ids  # the chat template ends the context on a token boundary
     with torch.no_grad():
         logits = model(torch.tensor([whole])).logits[0].double()
-    log_probs = torch.log_softmax(logits[len(context_ids) - 1:-1], dim=-1)
-    targets = torch.tensor(whole[len(context_ids):])
+    log_probs = torch.log_softmax(logits[len(context_ids) - 1 : -1], dim=-1)
+    targets = torch.tensor(whole[len(context_ids) :])
     picked = log_probs.gather(1, targets[:, None]).squeeze(1)
     return picked.sum().item(), bool((log_probs.argmax(-1) == targets).all())
 
@@ -55,8 +55,9 @@ def test_lm_eval_loglikelihoods_are_the_models_own(tiny_dir):
     rows = [json.loads(line) for line in ev.FACTS_DATA.read_text(encoding="utf-8").splitlines()[:6]]
     right = 0
     for sample, row in zip(sorted(samples, key=lambda s: s["doc_id"]), rows):
-        expected_context = tokenizer.apply_chat_template([{"role": "user", "content": row["question"]}],
-                                                         add_generation_prompt=True, tokenize=False)
+        expected_context = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["question"]}], add_generation_prompt=True, tokenize=False
+        )
         scores = []
         for (context, continuation), response, choice in zip(sample["arguments"], sample["resps"], row["choices"]):
             assert (context, continuation) == (expected_context, choice)
@@ -79,8 +80,11 @@ def test_bundled_task_file_is_made_from_the_bundled_pairs(tmp_path):
     assert (tmp_path / "facts.jsonl").read_bytes() == ev.FACTS_DATA.read_bytes()
     rows = [json.loads(line) for line in ev.FACTS_DATA.read_text(encoding="utf-8").splitlines()]
     assert [row["label"] for row in rows[:4]] == [0, 1, 0, 1]
-    assert rows[0] == {"question": "Is 17 odd or even?", "choices": ["17 is an odd number.", "19 is an odd number."],
-                       "label": 0}
+    assert rows[0] == {
+        "question": "Is 17 odd or even?",
+        "choices": ["17 is an odd number.", "19 is an odd number."],
+        "label": 0,
+    }
     assert len({row["question"] for row in rows}) == 171
     for row in rows:
         right, wrong = row["choices"][row["label"]].split(), row["choices"][1 - row["label"]].split()
@@ -107,13 +111,16 @@ def test_tool_prompts_are_the_bundled_tool_chats():
     assert len(ev.tool_prompts(limit=3)) == 3
 
 
-@pytest.mark.parametrize("reply, parsed", [
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', ("add", {"a": 1, "b": 2})),
-    ('Sure.\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>', ("add", {"a": 1})),
-    ('<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>', None),  # not JSON
-    ('{"name": "add", "arguments": {"a": 1}}', None),  # no tags
-    ('<tool_call>\n["add"]\n</tool_call>', None),
-])
+@pytest.mark.parametrize(
+    "reply, parsed",
+    [
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>', ("add", {"a": 1, "b": 2})),
+        ('Sure.\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1}"}\n</tool_call>', ("add", {"a": 1})),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>', None),  # not JSON
+        ('{"name": "add", "arguments": {"a": 1}}', None),  # no tags
+        ('<tool_call>\n["add"]\n</tool_call>', None),
+    ],
+)
 def test_parse_tool_call(reply, parsed):
     assert ev.parse_tool_call(reply) == parsed
 
@@ -124,7 +131,7 @@ def test_tool_calling_score_counts_right_calls_exactly():
     replies = {
         0: '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Cairo"}}\n</tool_call>',
         1: '<tool_call>\n{"name": "add", "arguments": {"a": 218.0, "b": 437}}\n</tool_call>',  # 218.0 == 218
-        2: '<tool_call>\n{"name": "%s", "arguments": {"wrong": 1}}\n</tool_call>' % prompts[2].name,
+        2: f'<tool_call>\n{{"name": "{prompts[2].name}", "arguments": {{"wrong": 1}}}}\n</tool_call>',
     }
     score = ev.tool_calling_score(prompts, lambda prompt: replies[prompts.index(prompt)])
     assert (score.correct, score.total) == (2, 3)
@@ -162,10 +169,14 @@ def test_eval_command_writes_the_table_and_the_card_shows_it(tiny_dir, capsys):
     from minimind.cli import evaluate
     from minimind.hub import build_model_card, files_to_upload
 
-    rows = evaluate(["--model_name_or_path", str(tiny_dir), "--limit", "4", "--tool_limit", "2",
-                     "--max_new_tokens", "4"])
-    assert [(task, metric) for task, metric, _, _ in rows] == \
-        [(ev.FACTS_TASK, "acc"), (ev.FACTS_TASK, "acc_norm"), (ev.TOOL_CALLING, "call_acc")]
+    rows = evaluate(
+        ["--model_name_or_path", str(tiny_dir), "--limit", "4", "--tool_limit", "2", "--max_new_tokens", "4"]
+    )
+    assert [(task, metric) for task, metric, _, _ in rows] == [
+        (ev.FACTS_TASK, "acc"),
+        (ev.FACTS_TASK, "acc_norm"),
+        (ev.TOOL_CALLING, "call_acc"),
+    ]
     assert rows[2][2] == 0.0  # four random tokens are no tool call
     saved = json.loads((tiny_dir / ev.RESULTS_JSON).read_text())
     assert [(r["task"], r["metric"], r["value"]) for r in saved["results"]] == [row[:3] for row in rows]

@@ -19,8 +19,10 @@ MOE = {"use_moe": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_interme
 def read_back(path):
     """{name: (type name, float32 array in torch's [out, in] order)} of every tensor in the file."""
     reader = gguf.GGUFReader(path)
-    return {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
-            for t in reader.tensors}, int(reader.fields["general.file_type"].parts[-1][0])
+    return {
+        t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        for t in reader.tensors
+    }, int(reader.fields["general.file_type"].parts[-1][0])
 
 
 def reference_tensors(model):
@@ -34,7 +36,7 @@ def q8_0_bound(weights):
     to float16, so one part in 2^11 more."""
     blocks = weights.reshape(-1, 32)
     step = np.abs(blocks).max(axis=1, keepdims=True) / 127
-    return np.broadcast_to(step * (0.5 + 128 * 2.0 ** -11), blocks.shape).reshape(weights.shape)
+    return np.broadcast_to(step * (0.5 + 128 * 2.0**-11), blocks.shape).reshape(weights.shape)
 
 
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
@@ -84,7 +86,8 @@ def test_unknown_outtype_is_refused_before_anything_is_written(tmp_path):
 needs_llama_cpp = pytest.mark.skipif(
     os.environ.get("MINIMIND_LLAMA_CPP") != "1" or importlib.util.find_spec("llama_cpp") is None,
     reason="opt-in: set MINIMIND_LLAMA_CPP=1 with llama-cpp-python installed (pip install llama-cpp-python builds "
-           "llama.cpp from source, 6-13 min on 2 cores)")
+    "llama.cpp from source, 6-13 min on 2 cores)",
+)
 
 
 def cpu_has_amx():
@@ -118,10 +121,22 @@ def test_q8_0_tensors_are_byte_identical_to_llama_quantize(tmp_path, overrides):
 
 @needs_llama_cpp
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-@pytest.mark.parametrize("outtype", ["f16", "bf16", pytest.param("q8_0", marks=pytest.mark.skipif(
-    cpu_has_amx(), reason="llama.cpp's AMX int8 matmul segfaults on q8_0 files on this CPU, its own "
-                          "llama-quantize output included (ggml-org/llama.cpp#20824); the byte-identity test "
-                          "above covers q8_0"))])
+@pytest.mark.parametrize(
+    "outtype",
+    [
+        "f16",
+        "bf16",
+        pytest.param(
+            "q8_0",
+            marks=pytest.mark.skipif(
+                cpu_has_amx(),
+                reason="llama.cpp's AMX int8 matmul segfaults on q8_0 files on this CPU, its own "
+                "llama-quantize output included (ggml-org/llama.cpp#20824); the byte-identity test "
+                "above covers q8_0",
+            ),
+        ),
+    ],
+)
 def test_llama_cpp_logits_follow_ours_at_each_precision(tmp_path, outtype, overrides):
     import llama_cpp
     from transformers import AutoTokenizer
@@ -134,14 +149,21 @@ def test_llama_cpp_logits_follow_ours_at_each_precision(tmp_path, outtype, overr
             if weight.ndim == 2 and not name.endswith("mlp.gate.weight"):
                 rounded = gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), qtype), qtype)
                 weight.copy_(torch.from_numpy(rounded.astype(np.float32)))
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2,
-                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=128,
+        logits_all=True,
+        verbose=False,
+        n_threads=2,
+        type_k=llama_cpp.GGML_TYPE_F32,
+        type_v=llama_cpp.GGML_TYPE_F32,
+    )
     text = "<|im_start|>user\nHello, world! It's 2024: naive cafe 123.<|im_end|>\n<|im_start|>assistant\n"
     prompt = AutoTokenizer.from_pretrained(TOKENIZER_DIR)(text)["input_ids"]
     llm.eval(prompt)
     with torch.no_grad():
         logits = ours(torch.tensor([prompt])).logits[0].numpy()
-    theirs = np.asarray(llm.scores[:len(prompt)])
+    theirs = np.asarray(llm.scores[: len(prompt)])
     # What is left is llama.cpp rounding activations for its matmuls: none measurable for f16 dense (4e-6 of
     # the logits' spread; 0.004 with MoE), about 0.05 when it rounds them to bf16 (measured 0.044 / 0.058).
     per_position = np.abs(theirs - logits).max(-1) / logits.std()

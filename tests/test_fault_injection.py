@@ -16,14 +16,39 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, load_script, torch_threads
-
 from minimind.errors import InputError
 
-TINY_MODEL = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2",
-              "--num_key_value_heads", "1", "--intermediate_size", "48"]
-FAST = ["--use_cpu", "--report_to", "none", "--max_seq_length", "32", "--per_device_train_batch_size", "2",
-        "--logging_steps", "1", "--disable_tqdm", "true", "--seed", "0", "--eval_fraction", "0",
-        "--learning_rate", "3e-3"]
+TINY_MODEL = [
+    "--hidden_size",
+    "32",
+    "--num_hidden_layers",
+    "1",
+    "--num_attention_heads",
+    "2",
+    "--num_key_value_heads",
+    "1",
+    "--intermediate_size",
+    "48",
+]
+FAST = [
+    "--use_cpu",
+    "--report_to",
+    "none",
+    "--max_seq_length",
+    "32",
+    "--per_device_train_batch_size",
+    "2",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+    "--seed",
+    "0",
+    "--eval_fraction",
+    "0",
+    "--learning_rate",
+    "3e-3",
+]
 CHECKPOINTED = ["--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "3"]
 
 
@@ -42,8 +67,17 @@ def pretrain_data(tmp_path_factory):
 
 
 def run_argv(data_path, output_dir, max_steps):
-    return ["--data_path", data_path, "--output_dir", str(output_dir), "--max_steps", str(max_steps),
-            *TINY_MODEL, *FAST, *CHECKPOINTED]
+    return [
+        "--data_path",
+        data_path,
+        "--output_dir",
+        str(output_dir),
+        "--max_steps",
+        str(max_steps),
+        *TINY_MODEL,
+        *FAST,
+        *CHECKPOINTED,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +121,40 @@ def test_saves_leave_complete_checkpoints_and_no_staging(run):
     from minimind.training import STAGING_DIR, checkpoint_problems
 
     out, args = run
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2",
-                                                                                         "checkpoint-4"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-2",
+        "checkpoint-4",
+    ]
     assert not (out / STAGING_DIR).exists()
     for name in ("checkpoint-2", "checkpoint-4"):
         assert checkpoint_problems(out / name, args) == []
-        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
-                "config.json", "modeling_minimind.py"} <= set(os.listdir(out / name))
+        assert {
+            "model.safetensors",
+            "optimizer.pt",
+            "scheduler.pt",
+            "rng_state.pth",
+            "trainer_state.json",
+            "config.json",
+            "modeling_minimind.py",
+        } <= set(os.listdir(out / name))
     assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
 
 
-CHECKPOINT_FILES = ["model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
-                    "config.json"]
+CHECKPOINT_FILES = [
+    "model.safetensors",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "trainer_state.json",
+    "config.json",
+]
 # Trainer reads config.json only when it is there, so only its damage counts.
-DAMAGE = [(name, how) for name in CHECKPOINT_FILES for how in ("deleted", "truncated", "emptied", "garbage")
-          if (name, how) != ("config.json", "deleted")]
+DAMAGE = [
+    (name, how)
+    for name in CHECKPOINT_FILES
+    for how in ("deleted", "truncated", "emptied", "garbage")
+    if (name, how) != ("config.json", "deleted")
+]
 
 
 def expected_problem(name, how):
@@ -129,10 +182,12 @@ def test_explicit_damaged_checkpoint_is_refused_naming_the_file(run_copy, name, 
     with pytest.raises(ValueError) as info:
         resolve_resume_checkpoint(args)
     message = str(info.value)
-    assert message.startswith(f"--resume_from_checkpoint {out / 'checkpoint-4'}: not a complete checkpoint: "
-                              f"{expected_problem(name, how)}")
-    assert message.endswith("Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest "
-                            "complete checkpoint.")
+    assert message.startswith(
+        f"--resume_from_checkpoint {out / 'checkpoint-4'}: not a complete checkpoint: {expected_problem(name, how)}"
+    )
+    assert message.endswith(
+        "Fix: restore the file(s), or pass --resume_from_checkpoint last to take the newest complete checkpoint."
+    )
 
 
 def test_safetensors_one_byte_short_or_long_is_damaged(run_copy):
@@ -143,7 +198,8 @@ def test_safetensors_one_byte_short_or_long_is_damaged(run_copy):
     data = weights.read_bytes()
     weights.write_bytes(data[:-1])
     assert checkpoint_problems(out / "checkpoint-4", args) == [
-        f"model.safetensors is damaged ({len(data) - 1} bytes where its header promises {len(data)})"]
+        f"model.safetensors is damaged ({len(data) - 1} bytes where its header promises {len(data)})"
+    ]
     weights.write_bytes(data + b"\0")
     assert checkpoint_problems(out / "checkpoint-4", args)[0].startswith("model.safetensors is damaged")
     weights.write_bytes(data)
@@ -178,7 +234,8 @@ def test_trainer_state_without_a_step_is_damaged(run_copy):
     out, args = run_copy
     (out / "checkpoint-4" / "trainer_state.json").write_text('{"log_history": []}')
     assert checkpoint_problems(out / "checkpoint-4", args) == [
-        "trainer_state.json is damaged (no integer global_step)"]
+        "trainer_state.json is damaged (no integer global_step)"
+    ]
 
 
 def test_every_problem_is_listed(run_copy):
@@ -202,15 +259,20 @@ def test_what_is_required_follows_the_training_arguments(run_copy):
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
         (checkpoint / name).unlink()
     assert checkpoint_problems(checkpoint, types.SimpleNamespace(save_only_model=True)) == []
-    assert checkpoint_problems(checkpoint, args) == ["optimizer.pt is missing", "scheduler.pt is missing",
-                                                     "rng_state.pth is missing"]
+    assert checkpoint_problems(checkpoint, args) == [
+        "optimizer.pt is missing",
+        "scheduler.pt is missing",
+        "rng_state.pth is missing",
+    ]
 
     shutil.copytree(out / "checkpoint-2", out / "checkpoint-6")
     two_processes = types.SimpleNamespace(save_only_model=False, world_size=2, deepspeed=None)
     (out / "checkpoint-6" / "rng_state.pth").rename(out / "checkpoint-6" / "rng_state_0.pth")
     assert checkpoint_problems(out / "checkpoint-6", two_processes) == ["rng_state_1.pth is missing"]
-    assert checkpoint_problems(out / "checkpoint-6", args, scaler=True) == ["rng_state.pth is missing",
-                                                                             "scaler.pt is missing"]
+    assert checkpoint_problems(out / "checkpoint-6", args, scaler=True) == [
+        "rng_state.pth is missing",
+        "scaler.pt is missing",
+    ]
 
 
 def test_last_with_no_complete_checkpoint_refuses_instead_of_starting_over(run_copy, caplog):
@@ -220,8 +282,11 @@ def test_last_with_no_complete_checkpoint_refuses_instead_of_starting_over(run_c
     (out / "checkpoint-2" / "optimizer.pt").unlink()
     (out / "checkpoint-4" / "model.safetensors").unlink()
     with caplog.at_level(logging.WARNING, logger="minimind.training"):
-        with pytest.raises(ValueError, match=r"no checkpoint in .* is complete .*Fix: restore those files, or move "
-                                             r"the checkpoint directories away to start from scratch\."):
+        with pytest.raises(
+            ValueError,
+            match=r"no checkpoint in .* is complete .*Fix: restore those files, or move "
+            r"the checkpoint directories away to start from scratch\.",
+        ):
             resolve_resume_checkpoint(args)
     assert "checkpoint-4: model.safetensors is missing" in caplog.text
     assert "checkpoint-2: optimizer.pt is missing" in caplog.text
@@ -243,8 +308,10 @@ def test_resume_command_falls_back_when_the_newest_optimizer_is_gone(run_copy, p
     (out / "checkpoint-4" / "optimizer.pt").unlink()
     trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint", "last"])
     # The commands log to stdout (setup_run replaces the root logger's handlers, pytest's too).
-    assert (f"WARNING minimind.training: not resuming from {out / 'checkpoint-4'}: optimizer.pt is missing; "
-            "falling back to an older checkpoint") in capsys.readouterr().out
+    assert (
+        f"WARNING minimind.training: not resuming from {out / 'checkpoint-4'}: optimizer.pt is missing; "
+        "falling back to an older checkpoint"
+    ) in capsys.readouterr().out
     assert trainer.state.global_step == 6
     # Resumed at step 2: steps 3 to 6 were trained again, and checkpoint-4 was rewritten whole.
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
@@ -256,11 +323,14 @@ def test_resume_command_with_truncated_weights_names_file_and_checkpoint(run_cop
     truncate(out / "checkpoint-4" / "model.safetensors")
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
-        load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint",
-                                      str(out / "checkpoint-4")])
+        load_script("pretrain").main(
+            [*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint", str(out / "checkpoint-4")]
+        )
     assert info.value.code == 2
-    assert the_error_line(capsys).startswith(f"error: --resume_from_checkpoint {out / 'checkpoint-4'}: not a complete "
-                                             "checkpoint: model.safetensors is damaged")
+    assert the_error_line(capsys).startswith(
+        f"error: --resume_from_checkpoint {out / 'checkpoint-4'}: not a complete "
+        "checkpoint: model.safetensors is damaged"
+    )
 
 
 @pytest.mark.parametrize("name", ["scheduler.pt", "rng_state.pth"])
@@ -277,12 +347,17 @@ def test_a_whole_archive_with_a_damaged_pickle_is_damaged(run_copy, name):
         pickle = next(info for info in archive.infolist() if info.filename.endswith("data.pkl"))
     data = bytearray(path.read_bytes())
     local = pickle.header_offset  # the local header's name and extra lengths (torch pads the extra for alignment)
-    start = local + 30 + int.from_bytes(data[local + 26:local + 28], "little") + \
-        int.from_bytes(data[local + 28:local + 30], "little")
-    data[start + 2:start + 10] = b"\xff" * 8  # past the protocol opcode
+    start = (
+        local
+        + 30
+        + int.from_bytes(data[local + 26 : local + 28], "little")
+        + int.from_bytes(data[local + 28 : local + 30], "little")
+    )
+    data[start + 2 : start + 10] = b"\xff" * 8  # past the protocol opcode
     path.write_bytes(bytes(data))
     assert checkpoint_problems(out / "checkpoint-4", args) == [
-        f"{name} is damaged (torch.load fails: UnpicklingError: Unsupported operand 255)"]
+        f"{name} is damaged (torch.load fails: UnpicklingError: Unsupported operand 255)"
+    ]
 
 
 @pytest.mark.parametrize("name", ["config.json", "scheduler.pt"])
@@ -292,8 +367,10 @@ def test_resume_command_falls_back_past_a_damaged_config_or_scheduler(run_copy, 
     out, _ = run_copy
     damage(out / "checkpoint-4" / name, "garbage")
     trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 6), "--resume_from_checkpoint", "last"])
-    assert (f"WARNING minimind.training: not resuming from {out / 'checkpoint-4'}: {name} is damaged ("
-            in capsys.readouterr().out)
+    assert (
+        f"WARNING minimind.training: not resuming from {out / 'checkpoint-4'}: {name} is damaged ("
+        in capsys.readouterr().out
+    )
     assert trainer.state.global_step == 6
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
 
@@ -361,14 +438,17 @@ def the_error_line(capsys):
     return errors[0]
 
 
-FULL_DISK = {"model.safetensors": "OSError: [Errno 28] No space left on device",
-             "optimizer.pt": "OSError: [Errno 28] No space left on device",
-             "rng_state.pth": "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"}
+FULL_DISK = {
+    "model.safetensors": "OSError: [Errno 28] No space left on device",
+    "optimizer.pt": "OSError: [Errno 28] No space left on device",
+    "rng_state.pth": "RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534",
+}
 
 
 @pytest.mark.parametrize("target", FULL_DISK)
-def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(pretrain_data, tmp_path, monkeypatch,
-                                                                           capsys, target):
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(
+    pretrain_data, tmp_path, monkeypatch, capsys, target
+):
     """ENOSPC while checkpoint-4 is written (the weights, the optimizer state, or torch.save's zip writer, which says
     nothing of the disk: then the free space tells) ends the command with one line naming the filesystem and the
     room needed; the staged files are gone, checkpoint-2 is intact, and a rerun resumes from it."""
@@ -377,8 +457,12 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(pret
     from minimind import cli, training
 
     out = tmp_path / "run"
-    restore = full_disk_at(monkeypatch, target, fail=lambda path: path.parent.name == "checkpoint-4",
-                           error=None if target != "rng_state.pth" else RuntimeError(FULL_DISK[target][14:]))
+    restore = full_disk_at(
+        monkeypatch,
+        target,
+        fail=lambda path: path.parent.name == "checkpoint-4",
+        error=None if target != "rng_state.pth" else RuntimeError(FULL_DISK[target][14:]),
+    )
     if target == "rng_state.pth":
         disk_usage = shutil_module.disk_usage
         monkeypatch.setattr(shutil_module, "disk_usage", lambda path: disk_usage(path)._replace(free=1000))
@@ -388,12 +472,15 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(pret
     assert info.value.code == 2
     error = the_error_line(capsys)
     need = training._size(tree_size(out / "checkpoint-2"))
-    prefix = (f"error: no space left on the filesystem of {out}: saving checkpoint-4 (the unfinished save was "
-              f"removed) failed ({FULL_DISK[target]}). It needs about {need} (the size of checkpoint-2); ")
+    prefix = (
+        f"error: no space left on the filesystem of {out}: saving checkpoint-4 (the unfinished save was "
+        f"removed) failed ({FULL_DISK[target]}). It needs about {need} (the size of checkpoint-2); "
+    )
     assert error.startswith(prefix), error
-    assert error[len(prefix):].split(" is free. ")[1] == (
+    assert error[len(prefix) :].split(" is free. ")[1] == (
         "The newest earlier checkpoint, checkpoint-2, is intact. Fix: free space there, or pass an --output_dir on a "
-        "larger filesystem (copying the checkpoints along), then rerun with --resume_from_checkpoint last.")
+        "larger filesystem (copying the checkpoints along), then rerun with --resume_from_checkpoint last."
+    )
     assert not (out / training.STAGING_DIR).exists() and not (out / "checkpoint-4").exists()
     assert training.checkpoint_problems(out / "checkpoint-2") == []
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
@@ -416,9 +503,11 @@ def test_a_full_disk_at_the_final_save_removes_its_partial_files(pretrain_data, 
         cli.pretrain(run_argv(pretrain_data, out, 4))
     assert info.value.code == 2
     error = the_error_line(capsys)
-    assert error.startswith(f"error: no space left on the filesystem of {out}: saving the final model (its partial "
-                             "files were removed) failed (OSError: [Errno 28] No space left on device). It needs "
-                             "about ")
+    assert error.startswith(
+        f"error: no space left on the filesystem of {out}: saving the final model (its partial "
+        "files were removed) failed (OSError: [Errno 28] No space left on device). It needs "
+        "about "
+    )
     resume_only = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json")
     need = sum(f.stat().st_size for f in (out / "checkpoint-4").iterdir() if f.name not in resume_only)
     assert f"about {training._size(need)} (checkpoint-4 without its optimizer, scheduler and RNG state); " in error
@@ -439,8 +528,9 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(run_copy, pretrain
     two runs' files, and no file left over from the old one)."""
     out, _ = run_copy
     (out / "checkpoint-4" / "stale-marker.txt").write_text("from the first run")
-    load_script("pretrain").main([*run_argv(pretrain_data, out, 4), "--resume_from_checkpoint",
-                                  str(out / "checkpoint-2")])
+    load_script("pretrain").main(
+        [*run_argv(pretrain_data, out, 4), "--resume_from_checkpoint", str(out / "checkpoint-2")]
+    )
     assert not (out / "checkpoint-4" / "stale-marker.txt").exists()
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
 
@@ -448,9 +538,20 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(run_copy, pretrain
 def test_best_checkpoint_is_recorded_at_its_final_path(pretrain_data, tmp_path):
     """Trainer records the best checkpoint by the path it saved to; staged saves must record checkpoint-N."""
     out = tmp_path / "run"
-    trainer, _ = load_script("pretrain").main([*run_argv(pretrain_data, out, 4), "--eval_fraction", "0.2",
-                                               "--eval_strategy", "steps", "--eval_steps", "2",
-                                               "--load_best_model_at_end", "--metric_for_best_model", "eval_loss"])
+    trainer, _ = load_script("pretrain").main(
+        [
+            *run_argv(pretrain_data, out, 4),
+            "--eval_fraction",
+            "0.2",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "2",
+            "--load_best_model_at_end",
+            "--metric_for_best_model",
+            "eval_loss",
+        ]
+    )
     best = trainer.state.best_model_checkpoint
     assert best in (str(out / "checkpoint-2"), str(out / "checkpoint-4"))
     saved = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["best_model_checkpoint"]
@@ -460,6 +561,7 @@ def test_best_checkpoint_is_recorded_at_its_final_path(pretrain_data, tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 # Bad data files
 # --------------------------------------------------------------------------------------------------------------
+
 
 def run_command(name, argv):
     return load_script(name).main([*argv, *TINY_MODEL, *FAST, "--max_steps", "1", "--save_strategy", "no"])
@@ -481,8 +583,11 @@ def test_bad_data_path_is_a_clear_error_without_traceback(tmp_path, capsys, kind
 
 def test_malformed_line_is_named_by_the_command(tmp_path, capsys):
     path = tmp_path / "sft.jsonl"
-    path.write_text('{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-                    '{"conversations": [{"role": "gpt", "content": "hi"}]}\n', encoding="utf-8")
+    path.write_text(
+        '{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"conversations": [{"role": "gpt", "content": "hi"}]}\n',
+        encoding="utf-8",
+    )
     with pytest.raises(SystemExit) as info:
         run_command("sft", ["--data_path", str(path), "--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -490,13 +595,23 @@ def test_malformed_line_is_named_by_the_command(tmp_path, capsys):
     assert f"error: {path}, line 2: 'conversations' message 0 has unknown role 'gpt'. Fix: " in err
 
 
-GOOD_LINES = {"pretrain": '{"text": "The sky is blue."}',
-              "sft": '{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}'}
-UNENCODABLE = {"pretrain": ('{"text": "caf\\ud800"}', "the string at ['text'] is not valid Unicode (lone surrogate "
-                            "'\\ud800' at character 3, from a \\uXXXX escape that is half of a pair)"),
-               "sft": ('{"conversations": [{"role": "user", "content": "\\ud800"}]}', "the string at "
-                       "['conversations'][0]['content'] is not valid Unicode (lone surrogate '\\ud800' at character "
-                       "0, from a \\uXXXX escape that is half of a pair)")}
+GOOD_LINES = {
+    "pretrain": '{"text": "The sky is blue."}',
+    "sft": '{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}',
+}
+UNENCODABLE = {
+    "pretrain": (
+        '{"text": "caf\\ud800"}',
+        "the string at ['text'] is not valid Unicode (lone surrogate "
+        "'\\ud800' at character 3, from a \\uXXXX escape that is half of a pair)",
+    ),
+    "sft": (
+        '{"conversations": [{"role": "user", "content": "\\ud800"}]}',
+        "the string at "
+        "['conversations'][0]['content'] is not valid Unicode (lone surrogate '\\ud800' at character "
+        "0, from a \\uXXXX escape that is half of a pair)",
+    ),
+}
 
 
 @pytest.mark.parametrize("fault", ["surrogate", "nesting"])
@@ -506,29 +621,48 @@ def test_unencodable_or_deep_line_is_one_line_from_the_command(tmp_path, capsys,
     with a RecursionError: both tracebacks. Now the command names the line; --skip_bad_lines trains on the rest."""
     from minimind import cli
 
-    bad, problem = UNENCODABLE[kind] if fault == "surrogate" else (
-        "[" * 100_000 + "]" * 100_000, "arrays/objects nested more than 100 levels deep")
+    bad, problem = (
+        UNENCODABLE[kind]
+        if fault == "surrogate"
+        else ("[" * 100_000 + "]" * 100_000, "arrays/objects nested more than 100 levels deep")
+    )
     path = tmp_path / f"{kind}.jsonl"
     path.write_text(f"{GOOD_LINES[kind]}\n{bad}\n" + f"{GOOD_LINES[kind]}\n" * 8, encoding="utf-8")
-    argv = ["--data_path", str(path), "--output_dir", str(tmp_path / "out"), *TINY_MODEL, *FAST, "--max_steps", "1",
-            "--save_strategy", "no"]
+    argv = [
+        "--data_path",
+        str(path),
+        "--output_dir",
+        str(tmp_path / "out"),
+        *TINY_MODEL,
+        *FAST,
+        "--max_steps",
+        "1",
+        "--save_strategy",
+        "no",
+    ]
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
         getattr(cli, kind)(argv)
     assert info.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"error: {path}, line 2: {problem}. Fix: " + ("replace the escape with the intended character"
-                                                      if fault == "surrogate" else
-                                                      "flatten the line (no training format nests that deep)")
-        + ", or pass --skip_bad_lines to skip such lines."]
+        f"error: {path}, line 2: {problem}. Fix: "
+        + (
+            "replace the escape with the intended character"
+            if fault == "surrogate"
+            else "flatten the line (no training format nests that deep)"
+        )
+        + ", or pass --skip_bad_lines to skip such lines."
+    ]
     if kind == "pretrain":
         trainer, _ = cli.pretrain([*argv, "--skip_bad_lines", "--padding_free"])
         assert len(trainer.train_dataset) == 9 and trainer.state.global_step == 1
 
 
 def test_dpo_pair_with_different_prompts_is_refused_at_load_time(tmp_path, capsys):
-    good = {"chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
-            "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}]}
+    good = {
+        "chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
+        "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}],
+    }
     bad = {"chosen": good["chosen"], "rejected": [{"role": "user", "content": "other Q"}, good["rejected"][1]]}
     path = tmp_path / "dpo.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n", encoding="utf-8")
@@ -536,8 +670,10 @@ def test_dpo_pair_with_different_prompts_is_refused_at_load_time(tmp_path, capsy
         run_command("dpo", ["--data_path", str(path), "--output_dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
-    assert (f"error: {path}, line 2: 'chosen' and 'rejected' have different prompts (they differ at message 0; "
-            "1 and 1 messages before the final reply). Fix: give both the same messages") in err
+    assert (
+        f"error: {path}, line 2: 'chosen' and 'rejected' have different prompts (they differ at message 0; "
+        "1 and 1 messages before the final reply). Fix: give both the same messages"
+    ) in err
 
 
 def test_utf8_bom_is_accepted(tmp_path):
@@ -557,6 +693,7 @@ def test_utf8_bom_is_accepted(tmp_path):
 # Damaged model directories
 # ----------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("missing", [["tokenizer.json"], ["tokenizer.json", "tokenizer_config.json"]])
 def test_a_model_directory_without_tokenizer_files_names_them(tmp_path, missing):
     from conftest import model_dir
@@ -569,7 +706,8 @@ def test_a_model_directory_without_tokenizer_files_names_them(tmp_path, missing)
         load_model_and_tokenizer(str(tmp_path), device="cpu")
     assert str(raised.value) == (
         f"{tmp_path}: tokenizer file(s) {', '.join(missing)} missing. Fix: copy them from the directory the model "
-        f"was trained with (every saved MiniMind model and the bundled tokenizer/ directory have them).")
+        f"was trained with (every saved MiniMind model and the bundled tokenizer/ directory have them)."
+    )
 
 
 def test_a_truncated_weights_file_in_a_model_directory_is_named_by_the_chat_loader(tmp_path):
@@ -581,6 +719,9 @@ def test_a_truncated_weights_file_in_a_model_directory_is_named_by_the_chat_load
     size = weights.stat().st_size
     with open(weights, "r+b") as file:
         file.truncate(size - 10)
-    with pytest.raises(InputError, match=rf"^{weights} \({size - 10} bytes where its header promises {size}\): "
-                                         r"the safetensors file is incomplete or damaged"):
+    with pytest.raises(
+        InputError,
+        match=rf"^{weights} \({size - 10} bytes where its header promises {size}\): "
+        r"the safetensors file is incomplete or damaged",
+    ):
         load_model_and_tokenizer(str(tmp_path), device="cpu")

@@ -39,9 +39,11 @@ class FakeHub:
         def upload_folder(api, **kwargs):
             raise AssertionError("expected a single create_commit, not upload_folder")
 
-        return [mock.patch.object(huggingface_hub.HfApi, "create_repo", create_repo),
-                mock.patch.object(huggingface_hub.HfApi, "create_commit", create_commit),
-                mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload_folder)]
+        return [
+            mock.patch.object(huggingface_hub.HfApi, "create_repo", create_repo),
+            mock.patch.object(huggingface_hub.HfApi, "create_commit", create_commit),
+            mock.patch.object(huggingface_hub.HfApi, "upload_folder", upload_folder),
+        ]
 
     def __enter__(self):
         self._active = self.patches()
@@ -57,10 +59,22 @@ class FakeHub:
 def _trained_model_dir(path):
     """A model directory as a Trainer run leaves it: model + tokenizer + training records + leftovers."""
     model = model_dir(path)
-    (path / "trainer_state.json").write_text(json.dumps({
-        "global_step": 120, "epoch": 2.0, "max_steps": 120, "num_train_epochs": 2, "train_batch_size": 8,
-        "log_history": [{"loss": 5.25, "step": 60}, {"loss": 3.14159, "step": 120}, {"eval_loss": 3.5, "step": 120}],
-    }))
+    (path / "trainer_state.json").write_text(
+        json.dumps(
+            {
+                "global_step": 120,
+                "epoch": 2.0,
+                "max_steps": 120,
+                "num_train_epochs": 2,
+                "train_batch_size": 8,
+                "log_history": [
+                    {"loss": 5.25, "step": 60},
+                    {"loss": 3.14159, "step": 120},
+                    {"eval_loss": 3.5, "step": 120},
+                ],
+            }
+        )
+    )
     (path / "training_args.json").write_text(json.dumps({"learning_rate": 0.0005, "gradient_accumulation_steps": 2}))
     (path / "optimizer.pt").write_bytes(b"not for the hub")
     (path / "checkpoint-60").mkdir()
@@ -71,15 +85,27 @@ def _trained_model_dir(path):
 def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
     model = _trained_model_dir(tmp_path / "run")
     with FakeHub() as hub:
-        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"),
-                                          "--repo_id", "someone/minimind-tiny", "--private"])
+        load_script("push_to_hub").main(
+            ["--model_name_or_path", str(tmp_path / "run"), "--repo_id", "someone/minimind-tiny", "--private"]
+        )
 
     assert [repo for repo, _ in hub.repos] == ["someone/minimind-tiny"]
     assert hub.repos[0][1]["private"] is True and hub.repos[0][1]["exist_ok"] is True
     (commit,) = hub.commits
     files = commit["files"]
-    assert set(files) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                          "tokenizer_config.json", "chat_template.jinja", "README.md"} | CODE_FILES
+    assert (
+        set(files)
+        == {
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+            "README.md",
+        }
+        | CODE_FILES
+    )
     config = json.loads(files["config.json"])
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"
     assert files["modeling_minimind.py"] == open(os.path.join(ROOT, "modeling_minimind.py"), "rb").read()
@@ -103,8 +129,18 @@ def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
 def test_push_with_separate_tokenizer_and_unknown_training(tmp_path):
     tiny_model(vocab_size=6400).save_pretrained(tmp_path / "bare")
     with FakeHub() as hub:
-        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "bare"), "--repo_id", "a/b",
-                                          "--tokenizer_name_or_path", TOKENIZER_DIR, "--license", "mit"])
+        load_script("push_to_hub").main(
+            [
+                "--model_name_or_path",
+                str(tmp_path / "bare"),
+                "--repo_id",
+                "a/b",
+                "--tokenizer_name_or_path",
+                TOKENIZER_DIR,
+                "--license",
+                "mit",
+            ]
+        )
     files = hub.commits[0]["files"]
     assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(files)
     card = ModelCard(files["README.md"].decode())
@@ -122,24 +158,40 @@ def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path, capsy
     assert exited.value.code == 2
     d = tmp_path / "m"
     tokenizer_fix = "(pass --tokenizer_name_or_path tokenizer/ or save the tokenizer into the model directory)"
-    assert capsys.readouterr().err == "error: " + "\n- ".join([
-        f"Cannot publish {d}:",
-        f"auto_map names 'modeling_minimind.MiniMindModel' but modeling_minimind.py is not in {d}",
-        f"auto_map names 'modeling_minimind.MiniMindForCausalLM' but modeling_minimind.py is not in {d}",
-        "no generation_config.json (save_pretrained of the model writes it)",
-        f"no tokenizer.json in {d} {tokenizer_fix}",
-        f"no tokenizer_config.json in {d} {tokenizer_fix}"]) + "\n"
+    assert (
+        capsys.readouterr().err
+        == "error: "
+        + "\n- ".join(
+            [
+                f"Cannot publish {d}:",
+                f"auto_map names 'modeling_minimind.MiniMindModel' but modeling_minimind.py is not in {d}",
+                f"auto_map names 'modeling_minimind.MiniMindForCausalLM' but modeling_minimind.py is not in {d}",
+                "no generation_config.json (save_pretrained of the model writes it)",
+                f"no tokenizer.json in {d} {tokenizer_fix}",
+                f"no tokenizer_config.json in {d} {tokenizer_fix}",
+            ]
+        )
+        + "\n"
+    )
     assert not hub.repos and not hub.commits  # nothing created before the check
 
 
 def test_push_dry_run_lists_every_file_and_sends_nothing(tmp_path, capsys):
     _trained_model_dir(tmp_path / "run")
     with FakeHub() as hub:
-        plan = load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"),
-                                                "--repo_id", "someone/minimind-tiny", "--dry_run"])
+        plan = load_script("push_to_hub").main(
+            ["--model_name_or_path", str(tmp_path / "run"), "--repo_id", "someone/minimind-tiny", "--dry_run"]
+        )
     assert not hub.repos and not hub.commits
-    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "README.md"} | CODE_FILES
+    expected = {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "README.md",
+    } | CODE_FILES
     assert set(plan) == expected
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "would upload to someone/minimind-tiny (nothing sent):"
@@ -165,20 +217,24 @@ def test_push_offline_fails_in_one_line_naming_the_repo(tmp_path, capsys, monkey
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
-        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "run"), "--repo_id", "a/b",
-                                          "--token", "hf_fake"])
+        load_script("push_to_hub").main(
+            ["--model_name_or_path", str(tmp_path / "run"), "--repo_id", "a/b", "--token", "hf_fake"]
+        )
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 1
     assert err.startswith("error: could not publish to a/b on the Hub (")
-    assert err.endswith("). Fix: check the network, HF_HUB_OFFLINE and your token (hf auth login); --dry_run shows "
-                        "what would be uploaded\n")
+    assert err.endswith(
+        "). Fix: check the network, HF_HUB_OFFLINE and your token (hf auth login); --dry_run shows "
+        "what would be uploaded\n"
+    )
 
 
 def test_push_passes_the_token_and_commit_message_and_cards_moe_models(tmp_path):
     model_dir(tmp_path / "moe", use_moe=True, num_experts=4, num_experts_per_tok=2)
     with FakeHub() as hub:
-        load_script("push_to_hub").main(["--model_name_or_path", str(tmp_path / "moe"), "--repo_id", "a/moe",
-                                          "--token", "hf_test_token"])
+        load_script("push_to_hub").main(
+            ["--model_name_or_path", str(tmp_path / "moe"), "--repo_id", "a/moe", "--token", "hf_test_token"]
+        )
     ((repo_id, repo_kwargs),) = hub.repos
     (commit,) = hub.commits
     assert (repo_id, repo_kwargs["token"]) == ("a/moe", "hf_test_token")
@@ -190,8 +246,13 @@ def test_push_passes_the_token_and_commit_message_and_cards_moe_models(tmp_path)
 
 def test_model_push_to_hub_commits_code_config_and_safetensors():
     model = tiny_model()
-    with FakeHub() as hub, mock.patch("transformers.utils.hub.create_and_tag_model_card",
-                                      return_value=ModelCard("---\nlibrary_name: transformers\n---\n")):
+    with (
+        FakeHub() as hub,
+        mock.patch(
+            "transformers.utils.hub.create_and_tag_model_card",
+            return_value=ModelCard("---\nlibrary_name: transformers\n---\n"),
+        ),
+    ):
         model.push_to_hub("someone/tiny")
     (commit,) = hub.commits
     assert commit["repo_id"] == "someone/tiny"

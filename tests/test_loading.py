@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import model_dir, plant_code_dir
 
+from conftest import model_dir, plant_code_dir
 from minimind import cli
 from minimind.chat import load_model_and_tokenizer
 from minimind.errors import InputError
@@ -27,7 +27,8 @@ def test_a_directory_of_another_model_type_is_refused_and_its_code_never_runs(tm
     assert str(raised.value) == (
         f"{tmp_path} is not a MiniMind checkpoint: its config.json says model_type 'planted', not 'minimind' and "
         "names code of its own (auto_map), which MiniMind commands never run. Fix: pass a directory written by "
-        "MiniMind, or import other checkpoints with minimind-convert")
+        "MiniMind, or import other checkpoints with minimind-convert"
+    )
     assert not marker.exists()
 
 
@@ -37,8 +38,9 @@ def test_auto_map_in_a_minimind_directory_is_ignored_for_the_installed_classes(t
     reference = model_dir(tmp_path)
     marker = plant_code_dir(tmp_path / "code")
     (tmp_path / "planted.py").write_text((tmp_path / "code" / "planted.py").read_text())
-    edit_config(tmp_path, auto_map={"AutoConfig": "planted.PlantedConfig",
-                                    "AutoModelForCausalLM": "planted.PlantedModel"})
+    edit_config(
+        tmp_path, auto_map={"AutoConfig": "planted.PlantedConfig", "AutoModelForCausalLM": "planted.PlantedModel"}
+    )
     model, tokenizer = load_model_and_tokenizer(str(tmp_path), device="cpu")
     assert type(model) is MiniMindForCausalLM
     ids = torch.tensor([tokenizer.encode("hello world")])
@@ -51,8 +53,11 @@ def test_a_tokenizer_that_needs_code_from_the_directory_is_refused_without_runni
     marker = plant_code_dir(tmp_path / "code")
     (tmp_path / "planted.py").write_text((tmp_path / "code" / "planted.py").read_text())
     (tmp_path / "tokenizer_config.json").write_text((tmp_path / "code" / "tokenizer_config.json").read_text())
-    with pytest.raises(InputError, match=rf"^{tmp_path}: its tokenizer cannot be loaded without running code from "
-                                         r"the directory, which MiniMind commands never do \("):
+    with pytest.raises(
+        InputError,
+        match=rf"^{tmp_path}: its tokenizer cannot be loaded without running code from "
+        r"the directory, which MiniMind commands never do \(",
+    ):
         load_model_and_tokenizer(str(tmp_path), device="cpu")
     assert not marker.exists()
 
@@ -63,11 +68,36 @@ COMMANDS = {
     "web": lambda path, out: cli.web(["--model_name_or_path", path]),
     "export": lambda path, out: cli.export(["--to", "qwen3", "--model_name_or_path", path, "--output_dir", out]),
     "eval": lambda path, out: cli.evaluate(["--model_name_or_path", path, "--no_write"]),
-    "sft": lambda path, out: cli.sft(["--model_name_or_path", path, "--data_path", "data/sft.jsonl",
-                                      "--output_dir", out, "--max_steps", "1", "--use_cpu"]),
-    "distill": lambda path, out: cli.distill(["--teacher_name_or_path", path, "--data_path", "data/sft.jsonl",
-                                              "--output_dir", out, "--max_steps", "1", "--use_cpu",
-                                              "--hidden_size", "64", "--num_hidden_layers", "1"]),
+    "sft": lambda path, out: cli.sft(
+        [
+            "--model_name_or_path",
+            path,
+            "--data_path",
+            "data/sft.jsonl",
+            "--output_dir",
+            out,
+            "--max_steps",
+            "1",
+            "--use_cpu",
+        ]
+    ),
+    "distill": lambda path, out: cli.distill(
+        [
+            "--teacher_name_or_path",
+            path,
+            "--data_path",
+            "data/sft.jsonl",
+            "--output_dir",
+            out,
+            "--max_steps",
+            "1",
+            "--use_cpu",
+            "--hidden_size",
+            "64",
+            "--num_hidden_layers",
+            "1",
+        ]
+    ),
 }
 
 
@@ -80,8 +110,9 @@ def test_every_command_refuses_a_planted_directory_in_one_line(command, tmp_path
         COMMANDS[command](str(tmp_path / "planted"), str(tmp_path / "out"))
     assert exited.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith(f"error: {tmp_path / 'planted'} is not a MiniMind checkpoint: its config.json says "
-                            "model_type 'planted'")
+    assert error.startswith(
+        f"error: {tmp_path / 'planted'} is not a MiniMind checkpoint: its config.json says model_type 'planted'"
+    )
     assert not marker.exists() and not (tmp_path / "out" / "config.json").exists()
 
 
@@ -100,8 +131,10 @@ def test_a_hub_id_offline_says_the_hub_is_offline(monkeypatch, tmp_path):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(InputError) as raised:
         model_directory("someone/minimind-tiny")
-    assert str(raised.value) == ("no such directory: someone/minimind-tiny; the Hub is offline (HF_HUB_OFFLINE=1) and "
-                                 "it is not in the local cache")
+    assert str(raised.value) == (
+        "no such directory: someone/minimind-tiny; the Hub is offline (HF_HUB_OFFLINE=1) and "
+        "it is not in the local cache"
+    )
 
 
 def test_a_hub_id_downloads_model_files_only_and_loads_with_installed_classes(monkeypatch, tmp_path):
@@ -127,8 +160,11 @@ def test_a_hub_id_downloads_model_files_only_and_loads_with_installed_classes(mo
 
 def test_a_file_given_as_model_directory_is_named(tmp_path):
     (tmp_path / "model.pth").write_bytes(b"x")
-    with pytest.raises(InputError, match=r"model.pth is a file, not a model directory: pass the directory that "
-                                         r"holds config.json and the weights$"):
+    with pytest.raises(
+        InputError,
+        match=r"model.pth is a file, not a model directory: pass the directory that "
+        r"holds config.json and the weights$",
+    ):
         load_model(tmp_path / "model.pth")
 
 
@@ -137,32 +173,52 @@ def test_a_damaged_config_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "minimind", ')
     with pytest.raises(InputError) as raised:
         load_model(tmp_path)
-    assert str(raised.value) == (f"{tmp_path / 'config.json'} is not valid JSON (JSONDecodeError): the checkpoint is "
-                                 "damaged; restore config.json from the run that wrote it")
+    assert str(raised.value) == (
+        f"{tmp_path / 'config.json'} is not valid JSON (JSONDecodeError): the checkpoint is "
+        "damaged; restore config.json from the run that wrote it"
+    )
 
 
 EDITS = {
-    "more layers": ({}, {"num_hidden_layers": 3},
-                    "missing model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight, "
-                    "model.layers.2.mlp.gate_proj.weight, model.layers.2.mlp.up_proj.weight, "
-                    "model.layers.2.post_attention_layernorm.weight, model.layers.2.self_attn.k_norm.weight and 5 more"),
-    "fewer layers": ({}, {"num_hidden_layers": 1}, "unexpected model.layers.1.input_layernorm.weight, "
-                     "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight, "
-                     "model.layers.1.mlp.up_proj.weight, model.layers.1.post_attention_layernorm.weight, "
-                     "model.layers.1.self_attn.k_norm.weight and 5 more"),
+    "more layers": (
+        {},
+        {"num_hidden_layers": 3},
+        "missing model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight, "
+        "model.layers.2.mlp.gate_proj.weight, model.layers.2.mlp.up_proj.weight, "
+        "model.layers.2.post_attention_layernorm.weight, model.layers.2.self_attn.k_norm.weight and 5 more",
+    ),
+    "fewer layers": (
+        {},
+        {"num_hidden_layers": 1},
+        "unexpected model.layers.1.input_layernorm.weight, "
+        "model.layers.1.mlp.down_proj.weight, model.layers.1.mlp.gate_proj.weight, "
+        "model.layers.1.mlp.up_proj.weight, model.layers.1.post_attention_layernorm.weight, "
+        "model.layers.1.self_attn.k_norm.weight and 5 more",
+    ),
     "untied": ({}, {"tie_word_embeddings": False}, "missing lm_head.weight"),
-    "tied": ({"tie_word_embeddings": False}, {"tie_word_embeddings": True},
-             "config.json ties lm_head.weight to the embeddings but the weights hold a different tensor "
-             "(tie_word_embeddings should be false)"),
-    "qk_norm off": ({}, {"qk_norm": False}, "unexpected model.layers.0.self_attn.k_norm.weight, "
-                    "model.layers.0.self_attn.q_norm.weight, model.layers.1.self_attn.k_norm.weight, "
-                    "model.layers.1.self_attn.q_norm.weight"),
-    "wider mlp": ({}, {"intermediate_size": 128}, "mis-shaped model.layers.0.mlp.down_proj.weight (weights [64, 96], "
-                  "config [64, 128]), model.layers.0.mlp.gate_proj.weight (weights [96, 64], config [128, 64]), "
-                  "model.layers.0.mlp.up_proj.weight (weights [96, 64], config [128, 64]), "
-                  "model.layers.1.mlp.down_proj.weight (weights [64, 96], config [64, 128]), "
-                  "model.layers.1.mlp.gate_proj.weight (weights [96, 64], config [128, 64]), "
-                  "model.layers.1.mlp.up_proj.weight (weights [96, 64], config [128, 64])"),
+    "tied": (
+        {"tie_word_embeddings": False},
+        {"tie_word_embeddings": True},
+        "config.json ties lm_head.weight to the embeddings but the weights hold a different tensor "
+        "(tie_word_embeddings should be false)",
+    ),
+    "qk_norm off": (
+        {},
+        {"qk_norm": False},
+        "unexpected model.layers.0.self_attn.k_norm.weight, "
+        "model.layers.0.self_attn.q_norm.weight, model.layers.1.self_attn.k_norm.weight, "
+        "model.layers.1.self_attn.q_norm.weight",
+    ),
+    "wider mlp": (
+        {},
+        {"intermediate_size": 128},
+        "mis-shaped model.layers.0.mlp.down_proj.weight (weights [64, 96], "
+        "config [64, 128]), model.layers.0.mlp.gate_proj.weight (weights [96, 64], config [128, 64]), "
+        "model.layers.0.mlp.up_proj.weight (weights [96, 64], config [128, 64]), "
+        "model.layers.1.mlp.down_proj.weight (weights [64, 96], config [64, 128]), "
+        "model.layers.1.mlp.gate_proj.weight (weights [96, 64], config [128, 64]), "
+        "model.layers.1.mlp.up_proj.weight (weights [96, 64], config [128, 64])",
+    ),
 }
 
 
@@ -173,16 +229,21 @@ def test_a_config_that_disagrees_with_its_weights_is_refused_listing_the_tensors
     edit_config(tmp_path, **edited)
     with pytest.raises(InputError) as raised:
         load_model(tmp_path)
-    assert str(raised.value) == (f"{tmp_path}: config.json does not match the weights ({problems}). Fix: restore "
-                                 "the config.json saved with these weights; a model loaded this way would be partly "
-                                 "random")
+    assert str(raised.value) == (
+        f"{tmp_path}: config.json does not match the weights ({problems}). Fix: restore "
+        "the config.json saved with these weights; a model loaded this way would be partly "
+        "random"
+    )
 
 
 def test_moe_switched_on_by_hand_lists_both_sides(tmp_path):
     model_dir(tmp_path, with_tokenizer=False)
     edit_config(tmp_path, use_moe=True)
-    with pytest.raises(InputError, match=r"\(missing model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight, .* and "
-                                         r"\d+ more; unexpected model\.layers\.0\.mlp\.down_proj\.weight, "):
+    with pytest.raises(
+        InputError,
+        match=r"\(missing model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight, .* and "
+        r"\d+ more; unexpected model\.layers\.0\.mlp\.down_proj\.weight, ",
+    ):
         load_model(tmp_path)
 
 
@@ -190,8 +251,9 @@ def test_export_of_a_mismatched_checkpoint_writes_nothing(tmp_path, capsys):
     model_dir(tmp_path / "model")
     edit_config(tmp_path / "model", num_hidden_layers=3)
     with pytest.raises(SystemExit) as exited:
-        cli.export(["--to", "qwen3", "--model_name_or_path", str(tmp_path / "model"),
-                    "--output_dir", str(tmp_path / "out")])
+        cli.export(
+            ["--to", "qwen3", "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out")]
+        )
     assert exited.value.code == 2
     assert "config.json does not match the weights (missing model.layers.2." in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -211,9 +273,20 @@ def test_training_refuses_a_bad_starting_model_before_reading_its_data(command, 
 
     monkeypatch.setattr(minimind.data, "_read_numbered_rows", lambda *a, **k: pytest.fail("the data was read"))
     plant_code_dir(tmp_path / "planted")
-    for path, error in (("missing", "no such directory: missing"),
-                        (str(tmp_path / "planted"), f"{tmp_path / 'planted'} is not a MiniMind checkpoint")):
+    for path, error in (
+        ("missing", "no such directory: missing"),
+        (str(tmp_path / "planted"), f"{tmp_path / 'planted'} is not a MiniMind checkpoint"),
+    ):
         with pytest.raises(SystemExit) as exited:
-            getattr(cli, command)(["--model_name_or_path", path, "--data_path", "data/sft.jsonl",
-                                   "--output_dir", str(tmp_path / "out"), "--use_cpu"])
+            getattr(cli, command)(
+                [
+                    "--model_name_or_path",
+                    path,
+                    "--data_path",
+                    "data/sft.jsonl",
+                    "--output_dir",
+                    str(tmp_path / "out"),
+                    "--use_cpu",
+                ]
+            )
         assert exited.value.code == 2 and capsys.readouterr().err.startswith(f"error: {error}")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-from conftest import tiny_config, tiny_model
 from configuration_minimind import MiniMindConfig
+from conftest import tiny_config, tiny_model
 from minimind.export import to_qwen3_model
 from modeling_minimind import (
     _CACHE_FIELD,
@@ -26,11 +26,20 @@ from modeling_minimind import (
 # The toy walkthrough (d=2, one head) and the shape ledger
 # ------------------------------------------------------------------------------------------------------
 
+
 def _toy_attention():
     """d=2, one head, identity projections, no q/k norm, RoPE angle step pi/2."""
-    config = MiniMindConfig(vocab_size=8, hidden_size=2, num_attention_heads=1, num_key_value_heads=1,
-                            head_dim=2, qk_norm=False, num_hidden_layers=1, intermediate_size=4,
-                            attn_implementation="eager")
+    config = MiniMindConfig(
+        vocab_size=8,
+        hidden_size=2,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=2,
+        qk_norm=False,
+        num_hidden_layers=1,
+        intermediate_size=4,
+        attn_implementation="eager",
+    )
     attn = MiniMindAttention(config, layer_idx=0).eval()
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
         proj.weight.data = torch.eye(2)
@@ -48,9 +57,9 @@ def test_toy_walkthrough_numbers():
     torch.testing.assert_close(q_rot[0, 0], torch.tensor([[1.0, 1.0], [1.0, 1.0]]), atol=1e-6, rtol=0)
 
     causal = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]])[None, None]
-    O, P = eager_attention_forward(attn, q_rot, k_rot, X[:, None], causal, scaling=2 ** -0.5)
+    out, P = eager_attention_forward(attn, q_rot, k_rot, X[:, None], causal, scaling=2**-0.5)
     torch.testing.assert_close(P[0, 0], torch.tensor([[1.0, 0.0], [0.5, 0.5]]), atol=1e-6, rtol=0)
-    torch.testing.assert_close(O[0, :, 0], torch.tensor([[1.0, 1.0], [1.0, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[0, :, 0], torch.tensor([[1.0, 1.0], [1.0, 0.0]]), atol=1e-6, rtol=0)
 
     # The same through the project's attention module, and the first residual Y = X + O.
     out, _ = attn(X, (cos, sin), attention_mask=causal)
@@ -71,17 +80,21 @@ def test_shape_ledger(monkeypatch):
         return lambda module, args, output: seen.append((stage, tuple(args[0].shape), tuple(output.shape)))
 
     layer = model.model.layers[0]
-    hooks = [model.model.embed_tokens.register_forward_hook(record("embed")),
-             layer.input_layernorm.register_forward_hook(record("norm")),
-             layer.self_attn.q_norm.register_forward_hook(record("q_norm")),
-             layer.self_attn.k_norm.register_forward_hook(record("k_norm")),
-             layer.self_attn.o_proj.register_forward_hook(record("o_proj")),
-             layer.mlp.register_forward_hook(record("mlp")),
-             model.lm_head.register_forward_hook(record("lm_head"))]
+    hooks = [
+        model.model.embed_tokens.register_forward_hook(record("embed")),
+        layer.input_layernorm.register_forward_hook(record("norm")),
+        layer.self_attn.q_norm.register_forward_hook(record("q_norm")),
+        layer.self_attn.k_norm.register_forward_hook(record("k_norm")),
+        layer.self_attn.o_proj.register_forward_hook(record("o_proj")),
+        layer.mlp.register_forward_hook(record("mlp")),
+        model.lm_head.register_forward_hook(record("lm_head")),
+    ]
     # RoPE and the kernel are module-level functions shared by both layers: record them inside layer 0 only.
     in_layer0 = []
-    hooks += [layer.self_attn.register_forward_pre_hook(lambda *_: in_layer0.append(True)),
-              layer.self_attn.register_forward_hook(lambda *_: in_layer0.clear())]
+    hooks += [
+        layer.self_attn.register_forward_pre_hook(lambda *_: in_layer0.append(True)),
+        layer.self_attn.register_forward_hook(lambda *_: in_layer0.clear()),
+    ]
     real_rope, real_interface = modeling_minimind.apply_rotary_pos_emb, modeling_minimind._attention_interface
 
     def rope_spy(q, k, cos, sin):
@@ -98,6 +111,7 @@ def test_shape_ledger(monkeypatch):
             if in_layer0:
                 seen.append(("kernel", tuple(q.shape), tuple(k.shape), tuple(v.shape), tuple(out.shape)))
             return out, weights
+
         return spy
 
     monkeypatch.setattr(modeling_minimind, "apply_rotary_pos_emb", rope_spy)
@@ -110,15 +124,20 @@ def test_shape_ledger(monkeypatch):
         hook.remove()
 
     def ledger(t, s):
-        return [("embed", (B, t), (B, t, D)), ("norm", (B, t, D), (B, t, D)),
-                ("q_norm", (B, t, H, Dh), (B, t, H, Dh)), ("k_norm", (B, t, K, Dh), (B, t, K, Dh)),
-                ("rope", (B, H, t, Dh), (B, K, t, Dh), (B, H, t, Dh), (B, K, t, Dh)),
-                # the kernel gets k/v with the cache appended (S) and returns heads last-but-one
-                ("kernel", (B, H, t, Dh), (B, K, s, Dh), (B, K, s, Dh), (B, t, H, Dh)),
-                ("o_proj", (B, t, H * Dh), (B, t, D)), ("mlp", (B, t, D), (B, t, D))]
+        return [
+            ("embed", (B, t), (B, t, D)),
+            ("norm", (B, t, D), (B, t, D)),
+            ("q_norm", (B, t, H, Dh), (B, t, H, Dh)),
+            ("k_norm", (B, t, K, Dh), (B, t, K, Dh)),
+            ("rope", (B, H, t, Dh), (B, K, t, Dh), (B, H, t, Dh), (B, K, t, Dh)),
+            # the kernel gets k/v with the cache appended (S) and returns heads last-but-one
+            ("kernel", (B, H, t, Dh), (B, K, s, Dh), (B, K, s, Dh), (B, t, H, Dh)),
+            ("o_proj", (B, t, H * Dh), (B, t, D)),
+            ("mlp", (B, t, D), (B, t, D)),
+        ]
 
     head = ("lm_head", (B, T, D), (B, T, V))
-    prefill, decode = seen[:seen.index(head) + 1], seen[seen.index(head) + 1:]
+    prefill, decode = seen[: seen.index(head) + 1], seen[seen.index(head) + 1 :]
     assert prefill == ledger(T, T) + [("lm_head", (B, T, D), (B, T, V))]
     assert decode == ledger(1, T + 1) + [("lm_head", (B, 1, D), (B, 1, V))]
 
@@ -145,6 +164,7 @@ def test_block_preserves_BTD_on_every_route(route):
 # Exact parameter counts
 # ------------------------------------------------------------------------------------------------------
 
+
 def test_minillama_0_04b_parameter_count():
     model = MiniMindForCausalLM(MiniMindConfig.minillama_0_04b())
     assert sum(p.numel() for p in model.parameters()) == 35_926_528
@@ -163,6 +183,7 @@ def test_untied_head_adds_its_own_matrix():
 # Cache: incremental decoding equals the full prefix
 # ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_chunked_logits_equal_full_logits(cache_kind, attn):
@@ -170,11 +191,14 @@ def test_chunked_logits_equal_full_logits(cache_kind, attn):
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(ids, use_cache=False).logits
-        cache = (DynamicCache(config=model.config) if cache_kind == "dynamic"
-                 else StaticCache(config=model.config, max_cache_len=16))
+        cache = (
+            DynamicCache(config=model.config)
+            if cache_kind == "dynamic"
+            else StaticCache(config=model.config, max_cache_len=16)
+        )
         pieces, start = [], 0
         for size in (6, 2, 1):  # prefill, a chunk, one-token decode
-            out = model(ids[:, start:start + size], cache=cache, use_cache=True)
+            out = model(ids[:, start : start + size], cache=cache, use_cache=True)
             pieces.append(out.logits)
             start += size
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
@@ -213,8 +237,7 @@ def test_left_padded_row_equals_unpadded_row():
     batch = torch.tensor([[0, 0, 0, 7, 3, 9], [4, 12, 30, 2, 50, 6]])
     mask = torch.tensor([[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     with torch.no_grad():
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                  pad_token_id=0)
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
         alone_short = model.generate(short, max_new_tokens=8, do_sample=False)
         alone_long = model.generate(long, max_new_tokens=8, do_sample=False)
     assert torch.equal(together[0, 6:], alone_short[0, 3:])
@@ -226,8 +249,15 @@ def test_sampling_and_beam_search_equal_qwen3_with_same_weights_and_seed():
     theirs = to_qwen3_model(ours)
     prompt = torch.tensor([[5, 17, 42], [9, 3, 61]])
     sample = dict(max_new_tokens=8, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, pad_token_id=0)
-    beam = dict(max_new_tokens=8, num_beams=3, do_sample=False, num_return_sequences=2, pad_token_id=0,
-                output_scores=True, return_dict_in_generate=True)
+    beam = dict(
+        max_new_tokens=8,
+        num_beams=3,
+        do_sample=False,
+        num_return_sequences=2,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     outputs = {}
     for name, model in (("ours", ours), ("theirs", theirs)):
         torch.manual_seed(1234)
@@ -268,6 +298,7 @@ def test_streamer_receives_the_prompt_then_each_generated_token():
 # ------------------------------------------------------------------------------------------------------
 # eager vs sdpa
 # ------------------------------------------------------------------------------------------------------
+
 
 def _pair(**overrides):
     eager = tiny_model(std=0.1, attn_implementation="eager", **overrides)
@@ -312,12 +343,17 @@ def test_set_attn_implementation_switches_kernel(monkeypatch):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
-    monkeypatch.setattr(modeling_minimind, "eager_attention_forward",
-                        counting("eager", modeling_minimind.eager_attention_forward))
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
-                        counting("sdpa", torch.nn.functional.scaled_dot_product_attention))
+    monkeypatch.setattr(
+        modeling_minimind, "eager_attention_forward", counting("eager", modeling_minimind.eager_attention_forward)
+    )
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        counting("sdpa", torch.nn.functional.scaled_dot_product_attention),
+    )
     model = tiny_model()
     ids = torch.tensor([[1, 2, 3]])
     model.set_attn_implementation("eager")
@@ -333,6 +369,7 @@ def test_set_attn_implementation_switches_kernel(monkeypatch):
 def test_flash_attention_2_without_the_package_is_a_clear_error():
     try:
         import flash_attn  # noqa: F401
+
         pytest.skip("flash_attn is installed: the error path cannot be exercised here")
     except ImportError:
         pass
@@ -344,8 +381,16 @@ def test_flash_attention_2_without_the_package_is_a_clear_error():
 # Parity with transformers' Qwen3 / Qwen3-MoE
 # ------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rope", [None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-                                  {"rope_type": "linear", "factor": 4.0}], ids=["default", "yarn", "linear"])
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+    ids=["default", "yarn", "linear"],
+)
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_equal_qwen3_with_same_weights(rope, tied):
     ours = tiny_model(std=0.1, rope_scaling=rope, tie_word_embeddings=tied, attn_implementation="eager")
@@ -369,13 +414,40 @@ ROPE_TYPES = [
     {"rope_type": "linear", "factor": 2.0},
     {"rope_type": "dynamic", "factor": 2.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512, "mscale": 0.707, "mscale_all_dim": 1.0},
-    {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.0, "truncate": False},
-    {"rope_type": "longrope", "short_factor": [1.0 + i / 10 for i in range(8)],
-     "long_factor": [2.0 + i / 10 for i in range(8)], "original_max_position_embeddings": 64},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
+    {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 2048,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+    {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 512,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+    },
+    {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 1.0,
+        "truncate": False,
+    },
+    {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + i / 10 for i in range(8)],
+        "long_factor": [2.0 + i / 10 for i in range(8)],
+        "original_max_position_embeddings": 64,
+    },
+    {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
 ]
 
 
@@ -387,8 +459,13 @@ def test_every_rope_type_equals_qwen3_rotary_embedding_past_the_trained_length(r
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
     config = tiny_config(max_position_embeddings=128, rope_parameters=dict(rope))
-    reference = Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=128,
-                            rope_parameters=dict(config.rope_parameters))
+    reference = Qwen3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=128,
+        rope_parameters=dict(config.rope_parameters),
+    )
     ours, theirs = MiniMindRotaryEmbedding(config), Qwen3RotaryEmbedding(reference)
     torch.testing.assert_close(ours.inv_freq, theirs.inv_freq, atol=0, rtol=1e-6)
     assert ours.attention_scaling == pytest.approx(theirs.attention_scaling, rel=1e-12)
@@ -401,8 +478,15 @@ def test_every_rope_type_equals_qwen3_rotary_embedding_past_the_trained_length(r
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_logits_and_aux_loss_equal_qwen3_moe(top_k):
-    ours = tiny_model(std=0.1, use_moe=True, num_experts=4, num_experts_per_tok=top_k, num_hidden_layers=3,
-                      mlp_only_layers=[1], attn_implementation="eager")
+    ours = tiny_model(
+        std=0.1,
+        use_moe=True,
+        num_experts=4,
+        num_experts_per_tok=top_k,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],
+        attn_implementation="eager",
+    )
     theirs = to_qwen3_model(ours)  # per-expert weights fused into Qwen3-MoE's tensors, strict load
     theirs.set_attn_implementation("eager")  # fully padded query rows differ between kernels, and the loss sees them
     assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
@@ -421,6 +505,7 @@ def test_moe_logits_and_aux_loss_equal_qwen3_moe(top_k):
 # ------------------------------------------------------------------------------------------------------
 # Mixture of experts
 # ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_block_under_bf16_autocast_equals_qwen3_moe_bit_for_bit(top_k):
@@ -518,6 +603,7 @@ def test_moe_generate_with_left_padding_matches_unpadded():
 # Forward contract
 # ------------------------------------------------------------------------------------------------------
 
+
 def test_inputs_embeds_hidden_states_return_dict_and_logits_to_keep():
     model = tiny_model(std=0.1)
     ids = torch.randint(0, 97, (2, 6))
@@ -589,6 +675,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 # Bad input
 # ------------------------------------------------------------------------------------------------------
 
+
 def test_token_ids_outside_vocabulary_raise():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"token id\(s\) \[97, 500\] outside the vocabulary \[0, 97\)"):
@@ -639,5 +726,5 @@ def test_continuous_batching_with_paged_cache_equals_generate():
     results = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=paging)
     by_prompt = {tuple(r.prompt_ids): r.generated_tokens for r in results.values()}
     for prompt in prompts:
-        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+        alone = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
         assert by_prompt[tuple(prompt)] == alone.tolist()

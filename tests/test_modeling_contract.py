@@ -27,6 +27,7 @@ def moe_model(**overrides):
 # Static cache and torch.compile
 # ------------------------------------------------------------------------------------------------------
 
+
 def test_dense_declares_compile_support_and_moe_only_with_a_sync_free_dispatch():
     assert tiny_model()._can_compile_fullgraph
     moe = moe_model()
@@ -80,8 +81,10 @@ def test_compiled_static_cache_decode_has_no_graph_break_and_no_recompile(use_mo
     tokens, logits = _decode_with_compiled_step(model, first, 4, compiled)
     with torch._dynamo.config.patch(error_on_recompile=True):
         tokens_2, logits_2 = _decode_with_compiled_step(model, second, 4, compiled)
-    assert (tokens, tokens_2) == (_decode_with_compiled_step(model, first, 4, model.forward)[0],
-                                  _decode_with_compiled_step(model, second, 4, model.forward)[0])
+    assert (tokens, tokens_2) == (
+        _decode_with_compiled_step(model, first, 4, model.forward)[0],
+        _decode_with_compiled_step(model, second, 4, model.forward)[0],
+    )
     eager_logits = _decode_with_compiled_step(model, second, 4, model.forward)[1]
     torch.testing.assert_close(logits_2, eager_logits, atol=1e-5, rtol=1e-5)
 
@@ -124,8 +127,7 @@ def test_packed_rows_with_restarting_positions_equal_the_padded_batch(attn):
         flat = model(**packed)
     starts = [0, 10, 17, 26]
     for row, (begin, end) in enumerate(zip(starts, starts[1:])):
-        torch.testing.assert_close(flat.logits[0, begin:end], padded.logits[row, :end - begin],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(flat.logits[0, begin:end], padded.logits[row, : end - begin], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flat.loss, padded.loss, atol=1e-6, rtol=1e-6)
 
 
@@ -160,8 +162,8 @@ def test_tree_mask_for_speculative_decoding_scores_each_branch_like_its_own_sequ
     mask = torch.zeros(1, 1, 7, 7, dtype=torch.bool)
     mask[0, 0, :3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
     for start in (3, 5):
-        mask[0, 0, start:start + 2, :3] = True
-        mask[0, 0, start:start + 2, start:start + 2] = torch.ones(2, 2, dtype=torch.bool).tril()
+        mask[0, 0, start : start + 2, :3] = True
+        mask[0, 0, start : start + 2, start : start + 2] = torch.ones(2, 2, dtype=torch.bool).tril()
     positions = torch.tensor([[0, 1, 2, 3, 4, 3, 4]])
     with torch.no_grad():
         tree = model(ids, attention_mask=mask, position_ids=positions).logits[0]
@@ -174,6 +176,7 @@ def test_tree_mask_for_speculative_decoding_scores_each_branch_like_its_own_sequ
 # ------------------------------------------------------------------------------------------------------
 # Outputs: tuples, the cache keyword, captured hidden states / attentions / router logits
 # ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
 def test_return_dict_false_gives_the_dataclass_fields_in_order(use_moe):
@@ -267,6 +270,7 @@ def test_router_logits_are_recorded_like_qwen3_moe():
 # The experts interface
 # ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("implementation", EXPERTS_IMPLEMENTATIONS)
 def test_experts_implementations_give_the_default_dispatch_outputs_and_gradients(implementation, tmp_path):
     reference = moe_model(router_aux_loss_coef=0.01)
@@ -306,29 +310,41 @@ def test_tiny_config_used_here_is_really_moe():
 # Inputs generate() and from_pretrained() would otherwise take silently or fail on deep inside
 # ------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mask_length", [3, 5], ids=["short", "long"])
 def test_generate_refuses_a_mask_whose_length_is_not_the_prompts(mask_length):
     model = tiny_model()
     ids = torch.tensor([[5, 6, 7, 8]])
-    with pytest.raises(ValueError, match=rf"attention_mask has shape \[1, {mask_length}\] but the prompt is "
-                                         r"\[1, 4\]\. Fix: pass one mask column per prompt token"):
+    with pytest.raises(
+        ValueError,
+        match=rf"attention_mask has shape \[1, {mask_length}\] but the prompt is "
+        r"\[1, 4\]\. Fix: pass one mask column per prompt token",
+    ):
         model.generate(ids, attention_mask=torch.ones(1, mask_length, dtype=torch.long), max_new_tokens=2)
     embeds = model.get_input_embeddings()(ids)
     with pytest.raises(ValueError, match=r"the prompt is \[1, 4\]"):
-        model.generate(inputs_embeds=embeds, attention_mask=torch.ones(1, mask_length, dtype=torch.long),
-                       max_new_tokens=2)
+        model.generate(
+            inputs_embeds=embeds, attention_mask=torch.ones(1, mask_length, dtype=torch.long), max_new_tokens=2
+        )
     # the right mask still generates, and a padded one equals the unpadded prompt's tokens
-    right = model.generate(ids, attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=3,
-                           do_sample=False)
-    padded = model.generate(torch.tensor([[0, 5, 6, 7, 8]]), attention_mask=torch.tensor([[0, 1, 1, 1, 1]]),
-                            max_new_tokens=3, do_sample=False, pad_token_id=0)
+    right = model.generate(ids, attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=3, do_sample=False)
+    padded = model.generate(
+        torch.tensor([[0, 5, 6, 7, 8]]),
+        attention_mask=torch.tensor([[0, 1, 1, 1, 1]]),
+        max_new_tokens=3,
+        do_sample=False,
+        pad_token_id=0,
+    )
     assert right[0, 4:].tolist() == padded[0, 5:].tolist()
 
 
 def test_forward_refuses_position_ids_that_do_not_cover_the_input():
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"position_ids cover 3 tokens but the input has 4\. Fix: pass one "
-                                         r"position per input token"):
+    with pytest.raises(
+        ValueError,
+        match=r"position_ids cover 3 tokens but the input has 4\. Fix: pass one "
+        r"position per input token",
+    ):
         model(torch.tensor([[5, 6, 7, 8]]), position_ids=torch.arange(3)[None])
 
 

@@ -17,7 +17,8 @@ from minimind.export import to_qwen3_model
 
 DEVICE = os.environ.get("MINIMIND_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = pytest.mark.skipif(
-    DEVICE is None, reason="needs a CUDA GPU (MINIMIND_TEST_DEVICE=cpu rehearses these tests on the CPU)")
+    DEVICE is None, reason="needs a CUDA GPU (MINIMIND_TEST_DEVICE=cpu rehearses these tests on the CPU)"
+)
 ON_CUDA = DEVICE is not None and DEVICE.startswith("cuda")
 MOE = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=[1])
 
@@ -35,6 +36,7 @@ def relative_error(actual, expected):
 # ------------------------------------------------------------------------------------------------------
 # Kernels and dtypes
 # ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
@@ -97,6 +99,7 @@ def test_flash_attention_2_varlen_on_packed_rows_equals_separate_sequences():
 # Parity with transformers' Qwen3 / Qwen3-MoE on the device
 # ------------------------------------------------------------------------------------------------------
 
+
 def qwen3_pair(overrides):
     """Ours and transformers' Qwen3 / Qwen3-MoE with the same weights, both on the device. Qwen3-MoE runs its
     eager experts: the same per-expert matmuls as ours (its default grouped_mm kernel rounds differently in bf16)."""
@@ -153,6 +156,7 @@ def test_bf16_autocast_training_step_matches_qwen3_on_device(overrides):
 # ------------------------------------------------------------------------------------------------------
 # Decoding on the device
 # ------------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])

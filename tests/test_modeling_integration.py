@@ -20,16 +20,26 @@ def _saved_keys(path):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_save_and_reload_through_auto_classes_with_remote_code(tmp_path, tied):
-    model = tiny_model(std=0.1, tie_word_embeddings=tied,
-                       rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128})
+    model = tiny_model(
+        std=0.1,
+        tie_word_embeddings=tied,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128},
+    )
     model.save_pretrained(tmp_path)
     files = set(os.listdir(tmp_path))
-    assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",
-            "generation_config.json"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "configuration_minimind.py",
+        "modeling_minimind.py",
+        "generation_config.json",
+    } <= files
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
-    assert auto_map == {"AutoConfig": "configuration_minimind.MiniMindConfig",
-                        "AutoModel": "modeling_minimind.MiniMindModel",
-                        "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM"}
+    assert auto_map == {
+        "AutoConfig": "configuration_minimind.MiniMindConfig",
+        "AutoModel": "modeling_minimind.MiniMindModel",
+        "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM",
+    }
     assert ("lm_head.weight" in _saved_keys(tmp_path)) == (not tied)
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
@@ -58,8 +68,9 @@ def test_package_registers_auto_classes_without_remote_code(tmp_path):
     from configuration_minimind import MiniMindConfig
     from modeling_minimind import MiniMindForCausalLM
 
-    built = AutoModelForCausalLM.from_config(MiniMindConfig(hidden_size=64, num_attention_heads=4,
-                                                            num_key_value_heads=2, num_hidden_layers=1))
+    built = AutoModelForCausalLM.from_config(
+        MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    )
     assert type(built) is MiniMindForCausalLM
     tiny_model().save_pretrained(tmp_path)
     local = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
@@ -83,8 +94,9 @@ def test_remote_code_needs_no_repo_on_sys_path(tmp_path):
         f"print(m.generate(torch.tensor({prompt}), max_new_tokens=8, do_sample=False)[0].tolist())\n"
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
-    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     module_root, tokens = result.stdout.strip().splitlines()[-2:]
     assert module_root == "transformers_modules"
@@ -108,9 +120,18 @@ def _train(tmp_path, batch, accumulation, checkpointing):
     model = tiny_model(seed=0).train()
     before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=accumulation, learning_rate=1e-2, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=True, seed=0, data_seed=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
         gradient_checkpointing=checkpointing,
     )
     trainer = Trainer(model=model, args=args, train_dataset=_RandomTokens())

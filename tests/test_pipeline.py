@@ -18,9 +18,10 @@ def test_text_generation_pipeline_takes_chat_messages(tmp_path):
     assert conversation[:2] == messages
     assert conversation[-1]["role"] == "assistant"
     # The reply is exactly what the chat template + greedy generate + decode give by hand.
-    prompt = chat.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)
+    prompt = chat.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         output = model.generate(**prompt, max_new_tokens=6, do_sample=False)
-    expected = chat.tokenizer.decode(output[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    expected = chat.tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert conversation[-1]["content"] == expected

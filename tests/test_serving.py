@@ -14,15 +14,22 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import load_script, model_dir
 
+from conftest import load_script, model_dir
 from minimind.chat import SamplingParams, TextStream, chat_prompt_ids, load_model_and_tokenizer
 from minimind.serving import Generator, ServerLimits, create_app, release_openmp_workers, serve_in_thread
 
 MODEL_ID = "tiny-minimind"
 MAX_CONTEXT = 128  # below the model's 256, to check the --max_context limit
-LIMITS = ServerLimits(max_context=MAX_CONTEXT, default_max_tokens=8, max_tokens=100, max_n=4, max_prompt_tokens=100,
-                      max_concurrent_requests=16, request_timeout=60)
+LIMITS = ServerLimits(
+    max_context=MAX_CONTEXT,
+    default_max_tokens=8,
+    max_tokens=100,
+    max_n=4,
+    max_prompt_tokens=100,
+    max_concurrent_requests=16,
+    request_timeout=60,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +47,7 @@ def generator(served_dir, request):
     model, tokenizer = load_model_and_tokenizer(str(served_dir), "cpu")
     if request.param == "paged":
         return Generator(model, tokenizer, MODEL_ID, limits=LIMITS)
-    return Generator(model, tokenizer, MODEL_ID, limits=replace(LIMITS, max_batch=2), engine="compiled",
-                     compile=False)
+    return Generator(model, tokenizer, MODEL_ID, limits=replace(LIMITS, max_batch=2), engine="compiled", compile=False)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +75,9 @@ def client(base_url):
 def direct(reference, prompt_ids, max_tokens, stop=()):
     """The text, finish reason and token count of the same greedy generation without the server."""
     model, tokenizer = reference
-    stream = TextStream(model, tokenizer, prompt_ids,
-                        SamplingParams(max_new_tokens=max_tokens, do_sample=False, stop=list(stop)))
+    stream = TextStream(
+        model, tokenizer, prompt_ids, SamplingParams(max_new_tokens=max_tokens, do_sample=False, stop=list(stop))
+    )
     return "".join(stream), stream.finish_reason, stream.completion_tokens
 
 
@@ -92,21 +99,31 @@ def test_lists_the_served_model(client):
 
 
 def test_chat_completion_equals_direct_generation_with_usage(client, generator, reference):
-    response = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hello"}],
-                                              max_tokens=6, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
+    )
     text, reason, tokens = direct(reference, chat_ids(generator, "hello"), 6)
     choice = response.choices[0]
     assert (choice.message.role, choice.message.content, choice.finish_reason) == ("assistant", text, reason)
     prompt_tokens = len(chat_ids(generator, "hello"))
     assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (
-        prompt_tokens, tokens, prompt_tokens + tokens)
+        prompt_tokens,
+        tokens,
+        prompt_tokens + tokens,
+    )
     assert reason == "length" and tokens == 6
 
 
 def test_chat_streaming_sends_the_same_text_then_usage(client):
-    kwargs = dict(model=MODEL_ID, messages=[{"role": "system", "content": "be nice"},
-                                            {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                  max_tokens=10, temperature=0)
+    kwargs = dict(
+        model=MODEL_ID,
+        messages=[
+            {"role": "system", "content": "be nice"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+        max_tokens=10,
+        temperature=0,
+    )
     whole = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
@@ -126,22 +143,30 @@ def test_completions_with_n_choices_stream_and_not(client, generator, reference)
     assert response.usage.prompt_tokens == len(generator.tokenizer(prompt)["input_ids"])
 
     streamed = {0: "", 1: ""}
-    for chunk in client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=5, temperature=0, n=2,
-                                           stream=True):
+    for chunk in client.completions.create(
+        model=MODEL_ID, prompt=prompt, max_tokens=5, temperature=0, n=2, stream=True
+    ):
         streamed[chunk.choices[0].index] += chunk.choices[0].text
     assert streamed == {0: text, 1: text}
 
 
 def test_stop_strings_cut_the_output(client, generator, reference):
     full, _, _ = direct(reference, chat_ids(generator, "a story"), 16)
-    stop = full[len(full) // 2: len(full) // 2 + 2]
-    expected = full[:full.index(stop)]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = full[: full.index(stop)]
     for stops in (stop, ["zzzz-not-there", stop]):
-        response = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "a story"}],
-                                                  max_tokens=16, temperature=0, stop=stops)
+        response = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "a story"}], max_tokens=16, temperature=0, stop=stops
+        )
         assert (response.choices[0].message.content, response.choices[0].finish_reason) == (expected, "stop")
-    chunks = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "a story"}],
-                                            max_tokens=16, temperature=0, stop=stop, stream=True)
+    chunks = client.chat.completions.create(
+        model=MODEL_ID,
+        messages=[{"role": "user", "content": "a story"}],
+        max_tokens=16,
+        temperature=0,
+        stop=stop,
+        stream=True,
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
 
 
@@ -165,8 +190,9 @@ def test_top_p_tiny_or_top_k_one_gives_the_greedy_reply_at_any_temperature(clien
 
 def test_max_completion_tokens_bounds_the_completion_exactly(client):
     def completion(**kwargs):
-        response = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hello"}],
-                                                  temperature=0, **kwargs)
+        response = client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "hello"}], temperature=0, **kwargs
+        )
         return response.usage.completion_tokens, response.choices[0].finish_reason
 
     assert completion(max_completion_tokens=3) == (3, "length")
@@ -174,8 +200,7 @@ def test_max_completion_tokens_bounds_the_completion_exactly(client):
     assert completion() == (LIMITS.default_max_tokens, "length")
 
 
-def test_a_completion_longer_than_the_context_ends_with_length_where_the_context_is_full(client, generator,
-                                                                                         reference):
+def test_a_completion_longer_than_the_context_ends_with_length_where_the_context_is_full(client, generator, reference):
     prompt = "word " * 60
     prompt_ids = generator.tokenizer(prompt)["input_ids"]
     room = MAX_CONTEXT - len(prompt_ids)
@@ -186,24 +211,59 @@ def test_a_completion_longer_than_the_context_ends_with_length_where_the_context
     assert (response.usage.completion_tokens, reason) == (room, "length")
 
 
-@pytest.mark.parametrize("body, status, param, code", [
-    ({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "model_not_found"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400, "max_tokens",
-     "invalid_value"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature",
-     "invalid_value"),
-    ({"model": MODEL_ID, "messages": []}, 400, "messages", "invalid_value"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "word " * MAX_CONTEXT}]}, 400, "messages",
-     "context_length_exceeded"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": LIMITS.max_tokens + 1}, 400,
-     "max_tokens", "invalid_value"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}],
-      "max_completion_tokens": LIMITS.max_tokens + 1}, 400, "max_completion_tokens", "invalid_value"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "n": LIMITS.max_n + 1}, 400, "n",
-     "invalid_value"),
-    ({"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "top_k": -1}, 400, "top_k",
-     "invalid_value"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, code",
+    [
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "model_not_found"),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+            400,
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "temperature": 3},
+            400,
+            "temperature",
+            "invalid_value",
+        ),
+        ({"model": MODEL_ID, "messages": []}, 400, "messages", "invalid_value"),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": "word " * MAX_CONTEXT}]},
+            400,
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "max_tokens": LIMITS.max_tokens + 1},
+            400,
+            "max_tokens",
+            "invalid_value",
+        ),
+        (
+            {
+                "model": MODEL_ID,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_completion_tokens": LIMITS.max_tokens + 1,
+            },
+            400,
+            "max_completion_tokens",
+            "invalid_value",
+        ),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "n": LIMITS.max_n + 1},
+            400,
+            "n",
+            "invalid_value",
+        ),
+        (
+            {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "top_k": -1},
+            400,
+            "top_k",
+            "invalid_value",
+        ),
+    ],
+)
 def test_bad_chat_requests_get_openai_errors(base_url, body, status, param, code):
     response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == status
@@ -233,11 +293,16 @@ def test_a_prompt_list_may_not_ask_for_more_than_max_n_choices_in_all(base_url):
 
 
 def test_malformed_and_misrouted_requests_get_openai_errors(base_url):
-    bad_json = httpx.post(f"{base_url}/v1/completions", content=b'{"model": "x", "prompt": ',
-                          headers={"Content-Type": "application/json"}, timeout=30)
+    bad_json = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b'{"model": "x", "prompt": ',
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
-    too_long = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": "word " * MAX_CONTEXT},
-                          timeout=30)
+    too_long = httpx.post(
+        f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": "word " * MAX_CONTEXT}, timeout=30
+    )
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
     empty = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": ""}, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
@@ -246,19 +311,30 @@ def test_malformed_and_misrouted_requests_get_openai_errors(base_url):
 
 
 def test_concurrent_requests_of_different_lengths_each_get_their_greedy_reply(client, generator, reference):
-    prompts = ["red apples", "the sea " * 9, "numbers 1 2 3", "good morning, how are you today my friend", "x",
-               "a story about a fox " * 3]
+    prompts = [
+        "red apples",
+        "the sea " * 9,
+        "numbers 1 2 3",
+        "good morning, how are you today my friend",
+        "x",
+        "a story about a fox " * 3,
+    ]
     lengths = [8, 5, 12, 3, 8, 10]
     expected = [direct(reference, chat_ids(generator, p), n)[0] for p, n in zip(prompts, lengths)]
     start = threading.Barrier(len(prompts))
 
     def ask(index):
         start.wait(timeout=30)
-        kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": prompts[index]}],
-                      max_tokens=lengths[index], temperature=0)
+        kwargs = dict(
+            model=MODEL_ID,
+            messages=[{"role": "user", "content": prompts[index]}],
+            max_tokens=lengths[index],
+            temperature=0,
+        )
         if index % 2:  # streams and plain requests overlap
-            return "".join(c.choices[0].delta.content or ""
-                           for c in client.chat.completions.create(**kwargs, stream=True))
+            return "".join(
+                c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+            )
         return client.chat.completions.create(**kwargs).choices[0].message.content
 
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -271,22 +347,49 @@ def test_serve_script_binds_loopback_by_default_and_takes_the_limits(monkeypatch
     import minimind.serving
 
     calls = []
-    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(
+        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+    )
     monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: calls.append((app, host, port)))
     monkeypatch.setenv("MINIMIND_API_KEY", "from-env")
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "my-model"), "--max_context", "64"])
-    load_script("serve").main(["--model_name_or_path", str(tmp_path / "my-model"), "--max_tokens", "32",
-                               "--max_n", "2", "--max_prompt_tokens", "50", "--max_concurrent_requests", "3",
-                               "--request_timeout", "9.5", "--default_max_tokens", "16", "--api_key", "k",
-                               "--kv_cache_tokens", "4096"])
+    load_script("serve").main(
+        [
+            "--model_name_or_path",
+            str(tmp_path / "my-model"),
+            "--max_tokens",
+            "32",
+            "--max_n",
+            "2",
+            "--max_prompt_tokens",
+            "50",
+            "--max_concurrent_requests",
+            "3",
+            "--request_timeout",
+            "9.5",
+            "--default_max_tokens",
+            "16",
+            "--api_key",
+            "k",
+            "--kv_cache_tokens",
+            "4096",
+        ]
+    )
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "my-model"), "--api_key", ""])
     (app, host, port), (limited, _, _), (keyless, _, _) = calls
     assert (host, port) == ("127.0.0.1", 8000)
     assert set(app.openapi()["paths"]) >= {"/v1/models", "/v1/chat/completions", "/v1/completions"}
     assert limited.state.admission.limit == 3
     assert limited.state.generator.limits == ServerLimits(
-        max_context=256, default_max_tokens=16, max_tokens=32, max_n=2, max_prompt_tokens=50,
-        max_concurrent_requests=3, request_timeout=9.5, kv_cache_tokens=4096)
+        max_context=256,
+        default_max_tokens=16,
+        max_tokens=32,
+        max_n=2,
+        max_prompt_tokens=50,
+        max_concurrent_requests=3,
+        request_timeout=9.5,
+        kv_cache_tokens=4096,
+    )
     assert limited.state.generator.engine.cache_tokens == 4096
     # the defaults: every one of the 64 admitted requests at the full 64-token context, plus the spare context
     assert app.state.generator.limits == ServerLimits(max_context=64, max_prompt_tokens=63, kv_cache_tokens=65 * 64)
@@ -304,22 +407,30 @@ def test_serve_script_binds_loopback_by_default_and_takes_the_limits(monkeypatch
 def test_serve_script_rejects_bad_limits_naming_the_flag(monkeypatch, generator, tmp_path, capsys):
     import minimind.chat
 
-    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(
+        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+    )
     with pytest.raises(SystemExit) as exit_info:
         load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--max_prompt_tokens", "300"])
     assert exit_info.value.code == 2
     assert "max_prompt_tokens (300) must be below max_context (256)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("limits, message", [
-    (ServerLimits(max_context=999), "max_context must be in [2, 256]"),
-    (ServerLimits(max_n=0), "max_n must be at least 1, got 0"),
-    (ServerLimits(max_tokens=8), "default_max_tokens (512) must not exceed max_tokens (8)"),
-    (ServerLimits(request_timeout=0), "request_timeout must be positive seconds, got 0"),
-    (ServerLimits(kv_cache_tokens=511), "kv_cache_tokens (511) must hold two full contexts (2 x max_context = 512). "
-                                        "Fix: raise --kv_cache_tokens or lower --max_context"),
-    (ServerLimits(max_batch=0), "max_batch must be at least 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        (ServerLimits(max_context=999), "max_context must be in [2, 256]"),
+        (ServerLimits(max_n=0), "max_n must be at least 1, got 0"),
+        (ServerLimits(max_tokens=8), "default_max_tokens (512) must not exceed max_tokens (8)"),
+        (ServerLimits(request_timeout=0), "request_timeout must be positive seconds, got 0"),
+        (
+            ServerLimits(kv_cache_tokens=511),
+            "kv_cache_tokens (511) must hold two full contexts (2 x max_context = 512). "
+            "Fix: raise --kv_cache_tokens or lower --max_context",
+        ),
+        (ServerLimits(max_batch=0), "max_batch must be at least 1, got 0"),
+    ],
+)
 def test_bad_limits_are_refused(generator, limits, message):
     with pytest.raises(ValueError) as error:
         Generator(generator.model, generator.tokenizer, MODEL_ID, limits=limits)
@@ -332,17 +443,36 @@ def test_engines_are_named_and_the_compiled_one_fits_its_rows_in_the_kv_cache(ge
         Generator(model, tokenizer, MODEL_ID, engine="vllm")
     assert str(error.value) == "engine must be one of paged, compiled, got 'vllm'"
     with pytest.raises(ValueError) as error:
-        Generator(model, tokenizer, MODEL_ID, engine="compiled", compile=False,
-                  limits=ServerLimits(max_batch=9, kv_cache_tokens=2048))
-    assert str(error.value) == ("the compiled engine keeps max_batch x max_context = 9 x 256 = 2304 tokens of keys and "
-                                "values, more than kv_cache_tokens (2048). Fix: lower --max_context or --max_batch, "
-                                "or raise --kv_cache_tokens")
-    fits = Generator(model, tokenizer, MODEL_ID, engine="compiled", compile=False,
-                     limits=ServerLimits(max_batch=8, kv_cache_tokens=2048))
+        Generator(
+            model,
+            tokenizer,
+            MODEL_ID,
+            engine="compiled",
+            compile=False,
+            limits=ServerLimits(max_batch=9, kv_cache_tokens=2048),
+        )
+    assert str(error.value) == (
+        "the compiled engine keeps max_batch x max_context = 9 x 256 = 2304 tokens of keys and "
+        "values, more than kv_cache_tokens (2048). Fix: lower --max_context or --max_batch, "
+        "or raise --kv_cache_tokens"
+    )
+    fits = Generator(
+        model,
+        tokenizer,
+        MODEL_ID,
+        engine="compiled",
+        compile=False,
+        limits=ServerLimits(max_batch=8, kv_cache_tokens=2048),
+    )
     config = model.config
     assert fits.engine.batch_sizes == [1, 2, 4, 8]
-    assert fits.engine.cache.keys.shape == (config.num_hidden_layers, 8, config.num_key_value_heads, 256,
-                                            config.head_dim)
+    assert fits.engine.cache.keys.shape == (
+        config.num_hidden_layers,
+        8,
+        config.num_key_value_heads,
+        256,
+        config.head_dim,
+    )
 
 
 def test_serve_script_takes_the_engine(monkeypatch, generator, tmp_path):
@@ -350,13 +480,36 @@ def test_serve_script_takes_the_engine(monkeypatch, generator, tmp_path):
     import minimind.serving
 
     calls = []
-    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(
+        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+    )
     monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: calls.append(app))
     monkeypatch.setattr(minimind.serving.CompiledBatchEngine, "warm_up", lambda engine: calls.append(engine) or 0.0)
-    load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--engine", "compiled",
-                               "--max_batch", "3", "--max_context", "64", "--no-compile"])
-    load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--engine", "compiled",
-                               "--max_batch", "4", "--max_context", "64"])
+    load_script("serve").main(
+        [
+            "--model_name_or_path",
+            str(tmp_path / "m"),
+            "--engine",
+            "compiled",
+            "--max_batch",
+            "3",
+            "--max_context",
+            "64",
+            "--no-compile",
+        ]
+    )
+    load_script("serve").main(
+        [
+            "--model_name_or_path",
+            str(tmp_path / "m"),
+            "--engine",
+            "compiled",
+            "--max_batch",
+            "4",
+            "--max_context",
+            "64",
+        ]
+    )
     uncompiled, warmed, compiled = calls
     engine = uncompiled.state.generator.engine
     assert isinstance(engine, minimind.serving.CompiledBatchEngine) and not engine.decoder.compiled
@@ -366,16 +519,26 @@ def test_serve_script_takes_the_engine(monkeypatch, generator, tmp_path):
 
 def test_api_key_guards_every_route_and_the_openai_client_with_it_works(generator):
     with serve_in_thread(create_app(generator, api_key="s3cret")) as url:
-        for headers, message in (({}, "You didn't provide an API key"),
-                                 ({"Authorization": "Bearer wrong"}, "Incorrect API key provided"),
-                                 ({"Authorization": "Basic s3cret"}, "You didn't provide an API key")):
+        for headers, message in (
+            ({}, "You didn't provide an API key"),
+            ({"Authorization": "Bearer wrong"}, "Incorrect API key provided"),
+            ({"Authorization": "Basic s3cret"}, "You didn't provide an API key"),
+        ):
             for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions")):
-                response = httpx.request(method, f"{url}{path}", headers=headers, timeout=30,
-                                         json={"model": MODEL_ID, "prompt": "x", "max_tokens": 1})
+                response = httpx.request(
+                    method,
+                    f"{url}{path}",
+                    headers=headers,
+                    timeout=30,
+                    json={"model": MODEL_ID, "prompt": "x", "max_tokens": 1},
+                )
                 error = response.json()["error"]
                 assert response.status_code == 401 and error["message"].startswith(message)
-                assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None,
-                                                                          "invalid_api_key")
+                assert (error["type"], error["param"], error["code"]) == (
+                    "invalid_request_error",
+                    None,
+                    "invalid_api_key",
+                )
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
@@ -409,8 +572,11 @@ def test_a_request_past_the_timeout_is_a_504_and_stops_generating(base_url, gene
         events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
     assert streamed.status_code == 200 and '"code": "request_timeout"' in events[-1]
     with pytest.raises(openai.APIError, match="request timeout"):
-        list(openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0).completions.create(
-            **body, stream=True))
+        list(
+            openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0).completions.create(
+                **body, stream=True
+            )
+        )
     wait_until_idle(generator, timeout=5)
 
 
@@ -461,11 +627,14 @@ def test_a_failing_generation_is_a_500_in_openai_shape_and_frees_the_server(base
     assert httpx.post(f"{base_url}/v1/completions", json=body, timeout=30).status_code == 200
 
 
-@pytest.mark.parametrize("pieces", [
-    ["<thi", "nk>\nwhy", " not\n</th", "ink>\n\nBe", "cause."],
-    ["\n", "<think>\nwhy not\n</think>\n\nBecause."],
-    ["<think>\nwhy not", "\n</think>\n", "\nBecause", "."],
-])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["<thi", "nk>\nwhy", " not\n</th", "ink>\n\nBe", "cause."],
+        ["\n", "<think>\nwhy not\n</think>\n\nBecause."],
+        ["<think>\nwhy not", "\n</think>\n", "\nBecause", "."],
+    ],
+)
 def test_reasoning_comes_back_as_reasoning_content_whole_and_streamed(base_url, monkeypatch, pieces):
     import json
 
@@ -491,32 +660,45 @@ def test_reasoning_comes_back_as_reasoning_content_whole_and_streamed(base_url, 
 
 
 def test_a_reply_without_think_block_has_no_reasoning_content(client):
-    message = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}],
-                                             max_tokens=4, temperature=0).choices[0].message
+    message = (
+        client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+        )
+        .choices[0]
+        .message
+    )
     assert "reasoning_content" not in (message.model_extra or {}) and message.content
 
 
 def test_sequences_beyond_the_paged_cache_wait_and_long_prompts_are_exact(served_dir, reference):
     """A cache sized for one sequence (--max_concurrent_requests 1, plus the spare context) still serves four
-    sequences that need more than it holds, each with exactly its greedy reply; a prompt longer than one batch step is prefilled in
-    chunks (max_batch_tokens 256 here), also exactly."""
+    sequences that need more than it holds, each with exactly its greedy reply; a prompt longer than one batch step
+    is prefilled in chunks (max_batch_tokens 256 here), also exactly."""
     import asyncio
 
     from minimind.serving import Sequence
 
     model, tokenizer = load_model_and_tokenizer(str(served_dir), "cpu")
-    small = Generator(model, tokenizer, MODEL_ID, limits=ServerLimits(max_context=256, max_concurrent_requests=1,
-                                                                      max_tokens=200, default_max_tokens=8))
+    small = Generator(
+        model,
+        tokenizer,
+        MODEL_ID,
+        limits=ServerLimits(max_context=256, max_concurrent_requests=1, max_tokens=200, default_max_tokens=8),
+    )
     assert small.engine.cache_tokens == 2 * 256  # one request at full context, plus the spare context
-    prompts = [tokenizer("word " * 3 + str(i))["input_ids"] for i in range(3)] + \
-        [tokenizer("long " * 240)["input_ids"]]
+    prompts = [tokenizer("word " * 3 + str(i))["input_ids"] for i in range(3)] + [
+        tokenizer("long " * 240)["input_ids"]
+    ]
     lengths = [150, 120, 100, 12]
     assert len(prompts[-1]) > 256 - 16 and sum(map(len, prompts)) + sum(lengths) > 2 * 256
 
     async def run(ids, n):
         sequence = Sequence(small.engine, ids, SamplingParams(max_new_tokens=n, do_sample=False))
-        return "".join([piece async for piece in sequence.pieces()]), sequence.finish_reason, \
-            sequence.completion_tokens
+        return (
+            "".join([piece async for piece in sequence.pieces()]),
+            sequence.finish_reason,
+            sequence.completion_tokens,
+        )
 
     async def run_all():
         return await asyncio.gather(*(run(ids, n) for ids, n in zip(prompts, lengths)))
@@ -530,34 +712,49 @@ def test_sequences_beyond_the_paged_cache_wait_and_long_prompts_are_exact(served
 
 def test_developer_messages_are_system_messages(client):
     def reply(role):
-        return client.chat.completions.create(
-            model=MODEL_ID, max_tokens=6, temperature=0,
-            messages=[{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]).choices[0].message
+        return (
+            client.chat.completions.create(
+                model=MODEL_ID,
+                max_tokens=6,
+                temperature=0,
+                messages=[{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}],
+            )
+            .choices[0]
+            .message
+        )
 
     assert reply("developer").content == reply("system").content != reply("user").content
 
 
-@pytest.mark.parametrize("context, concurrent, expected", [
-    (256, 64, 65 * 256),            # every admitted request at full context fits under the cap
-    (32768, 64, 2 * 32768),         # the 64M default's context: capped (not 65 x 32768 = 2.1M tokens, 18 GB)
-    (2048, 64, 65536),              # the cap itself
-    (256, 1, 2 * 256),              # never below two contexts
-])
+@pytest.mark.parametrize(
+    "context, concurrent, expected",
+    [
+        (256, 64, 65 * 256),  # every admitted request at full context fits under the cap
+        (32768, 64, 2 * 32768),  # the 64M default's context: capped (not 65 x 32768 = 2.1M tokens, 18 GB)
+        (2048, 64, 65536),  # the cap itself
+        (256, 1, 2 * 256),  # never below two contexts
+    ],
+)
 def test_default_kv_cache_is_capped_and_holds_two_contexts(context, concurrent, expected):
     limits = ServerLimits(max_concurrent_requests=concurrent).check(context)
     assert limits.kv_cache_tokens == expected
 
 
 def test_ids_and_object_names_are_openais_for_each_endpoint_streaming_or_not(client):
-    chat = client.chat.completions.create(model=MODEL_ID, max_tokens=2, temperature=0,
-                                          messages=[{"role": "user", "content": "hi"}])
+    chat = client.chat.completions.create(
+        model=MODEL_ID, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "hi"}]
+    )
     text = client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=2, temperature=0)
     assert (chat.object, text.object) == ("chat.completion", "text_completion")
     assert chat.id.startswith("chatcmpl-") and text.id.startswith("cmpl-") and chat.id != text.id
-    chat_chunks = list(client.chat.completions.create(model=MODEL_ID, max_tokens=2, temperature=0, stream=True,
-                                                      messages=[{"role": "user", "content": "hi"}]))
-    text_chunks = list(client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=2, temperature=0,
-                                                 stream=True))
+    chat_chunks = list(
+        client.chat.completions.create(
+            model=MODEL_ID, max_tokens=2, temperature=0, stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
+    )
+    text_chunks = list(
+        client.completions.create(model=MODEL_ID, prompt="hi", max_tokens=2, temperature=0, stream=True)
+    )
     assert {c.object for c in chat_chunks} == {"chat.completion.chunk"}
     assert {c.object for c in text_chunks} == {"text_completion"}
     assert len({c.id for c in chat_chunks}) == 1 and chat_chunks[0].id.startswith("chatcmpl-")

@@ -13,15 +13,29 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import load_script, model_dir
 
+from conftest import load_script, model_dir
 from minimind.chat import load_model_and_tokenizer
-from minimind.serving import (Generator, ServerLimits, _Tokenizers, create_app, is_loopback_host,
-                              max_chars_per_token, serve_in_thread)
+from minimind.serving import (
+    Generator,
+    ServerLimits,
+    _Tokenizers,
+    create_app,
+    is_loopback_host,
+    max_chars_per_token,
+    serve_in_thread,
+)
 
 MODEL_ID = "tiny-minimind"
-LIMITS = ServerLimits(max_context=128, default_max_tokens=4, max_tokens=16, max_n=2, max_prompt_tokens=100,
-                      max_concurrent_requests=16, request_timeout=60)
+LIMITS = ServerLimits(
+    max_context=128,
+    default_max_tokens=4,
+    max_tokens=16,
+    max_n=2,
+    max_prompt_tokens=100,
+    max_concurrent_requests=16,
+    request_timeout=60,
+)
 LIMIT = LIMITS.max_request_bytes
 JSON = {"Content-Type": "application/json"}
 
@@ -52,6 +66,7 @@ def error_of(response):
 
 def body_of_size(size: int, chat: bool) -> bytes:
     """A request of exactly `size` bytes: one long prompt (chat: one long message) of "word "s."""
+
     def encoded(text):
         body = {"model": MODEL_ID, **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
         return json.dumps(body).encode()
@@ -66,6 +81,7 @@ def body_of_size(size: int, chat: bool) -> bytes:
 # Request size
 # ----------------------------------------------------------------------------------------------------------
 
+
 def test_max_request_bytes_defaults_to_one_mib():
     assert LIMIT == ServerLimits().max_request_bytes == 1_048_576
 
@@ -73,9 +89,15 @@ def test_max_request_bytes_defaults_to_one_mib():
 def assert_too_large(response, limit=LIMIT):
     error = error_of(response)
     assert (response.status_code, error["type"], error["param"], error["code"]) == (
-        413, "invalid_request_error", None, "request_too_large")
-    assert error["message"] == (f"The request body is larger than this server's limit of {limit} bytes "
-                                "(--max_request_bytes). Send a shorter prompt.")
+        413,
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+    assert error["message"] == (
+        f"The request body is larger than this server's limit of {limit} bytes "
+        "(--max_request_bytes). Send a shorter prompt."
+    )
     assert response.headers["connection"] == "close"
 
 
@@ -87,7 +109,10 @@ def test_a_body_one_byte_over_the_limit_is_a_413_and_one_at_the_limit_is_parsed(
     at_limit = post(base_url, path, body_of_size(LIMIT, chat))
     error = error_of(at_limit)
     assert (at_limit.status_code, error["param"], error["code"]) == (
-        400, "messages" if chat else "prompt", "context_length_exceeded")
+        400,
+        "messages" if chat else "prompt",
+        "context_length_exceeded",
+    )
 
 
 def test_the_413_comes_before_parsing_with_content_length_or_chunked(base_url):
@@ -115,8 +140,7 @@ def test_the_413_comes_before_parsing_with_content_length_or_chunked(base_url):
 
 def test_a_chunked_body_within_the_limit_is_served(base_url):
     body = json.dumps({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
-    response = httpx.post(f"{base_url}/v1/completions", content=iter([body[:10], body[10:]]), headers=JSON,
-                          timeout=30)
+    response = httpx.post(f"{base_url}/v1/completions", content=iter([body[:10], body[10:]]), headers=JSON, timeout=30)
     assert response.request.headers["transfer-encoding"] == "chunked"
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
 
@@ -125,24 +149,39 @@ def test_a_chunked_body_within_the_limit_is_served(base_url):
 # Text, types, nesting
 # ----------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 there"}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "ok"},
-                                           {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
-     "messages.1.content.0.text"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "x\ud800"]},
-     "stop.1"),
-    ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
-    ("/v1/completions", {"prompt": ["fine", "\udbff"]}, "prompt.1"),
-    ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}, "stop"),
-    ("/v1/completions", {"prompt": "hi", "model": "tiny\ud800"}, "model"),  # before the 404, which echoes it
-])
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800 there"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "system", "content": "ok"},
+                    {"role": "user", "content": [{"type": "text", "text": "\udfff"}]},
+                ]
+            },
+            "messages.1.content.0.text",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "x\ud800"]},
+            "stop.1",
+        ),
+        ("/v1/completions", {"prompt": "\ud800"}, "prompt"),
+        ("/v1/completions", {"prompt": ["fine", "\udbff"]}, "prompt.1"),
+        ("/v1/completions", {"prompt": "hi", "stop": "\ud800"}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "model": "tiny\ud800"}, "model"),  # before the 404, which echoes it
+    ],
+)
 def test_a_lone_surrogate_is_a_400_naming_the_field(base_url, path, body, param):
     response = post(base_url, path, json.dumps({"model": MODEL_ID, **body}).encode())  # ascii: "\ud800" escapes
     error = error_of(response)
     assert (response.status_code, error["param"], error["code"]) == (400, param, "invalid_value")
-    assert error["message"].startswith(f"Invalid value for '{param}': the text is not valid Unicode (a lone "
-                                       "surrogate, U+D")
+    assert error["message"].startswith(
+        f"Invalid value for '{param}': the text is not valid Unicode (a lone surrogate, U+D"
+    )
 
 
 def test_a_raw_surrogate_byte_sequence_is_the_same_400(base_url):
@@ -152,28 +191,33 @@ def test_a_raw_surrogate_byte_sequence_is_the_same_400(base_url):
     assert "not valid Unicode (a lone surrogate, U+D800, at character 1)" in error["message"]
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("max_tokens", True, "Input should be a valid integer"),
-    ("max_tokens", 1.5, "Input should be a valid integer"),
-    ("max_tokens", 2.0, "Input should be a valid integer"),
-    ("max_tokens", "2", "Input should be a valid integer"),
-    ("max_completion_tokens", True, "Input should be a valid integer"),
-    ("max_completion_tokens", 3.0, "Input should be a valid integer"),
-    ("n", True, "Input should be a valid integer"),
-    ("n", 1.0, "Input should be a valid integer"),
-    ("top_k", 2.0, "Input should be a valid integer"),
-    ("top_k", False, "Input should be a valid integer"),
-    ("seed", False, "Input should be a valid integer"),
-    ("seed", 1.5, "Input should be a valid integer"),
-    ("temperature", True, "Input should be a valid number"),
-    ("temperature", "0.5", "Input should be a valid number"),
-    ("top_p", False, "Input should be a valid number"),
-    ("stream", "yes", "Input should be a valid boolean"),
-    ("stream", 1, "Input should be a valid boolean"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", True, "Input should be a valid integer"),
+        ("max_tokens", 1.5, "Input should be a valid integer"),
+        ("max_tokens", 2.0, "Input should be a valid integer"),
+        ("max_tokens", "2", "Input should be a valid integer"),
+        ("max_completion_tokens", True, "Input should be a valid integer"),
+        ("max_completion_tokens", 3.0, "Input should be a valid integer"),
+        ("n", True, "Input should be a valid integer"),
+        ("n", 1.0, "Input should be a valid integer"),
+        ("top_k", 2.0, "Input should be a valid integer"),
+        ("top_k", False, "Input should be a valid integer"),
+        ("seed", False, "Input should be a valid integer"),
+        ("seed", 1.5, "Input should be a valid integer"),
+        ("temperature", True, "Input should be a valid number"),
+        ("temperature", "0.5", "Input should be a valid number"),
+        ("top_p", False, "Input should be a valid number"),
+        ("stream", "yes", "Input should be a valid boolean"),
+        ("stream", 1, "Input should be a valid boolean"),
+    ],
+)
 def test_loosely_typed_numbers_and_flags_are_a_400_naming_the_field(base_url, field, value, message):
-    for path, prompt in (("/v1/completions", {"prompt": "hi"}),
-                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+    for path, prompt in (
+        ("/v1/completions", {"prompt": "hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ):
         response = post(base_url, path, json.dumps({"model": MODEL_ID, **prompt, field: value}).encode())
         error = error_of(response)
         assert (response.status_code, error["param"], error["code"]) == (400, field, "invalid_value")
@@ -195,12 +239,18 @@ class Records(logging.Handler):
         self.records.append(record)
 
 
-@pytest.mark.parametrize("body", [
-    b"[" * 100_000 + b"]" * 100_000,
-    b'{"model": "%s", "prompt": ' % MODEL_ID.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}",
-    b'{"model": "%s", "prompt": "x", "stream_options": ' % MODEL_ID.encode() + b'{"a": ' * 100_000 + b"1"
-    + b"}" * 100_001,
-], ids=["top level", "in a field", "in stream_options"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"model": "%s", "prompt": ' % MODEL_ID.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"model": "%s", "prompt": "x", "stream_options": ' % MODEL_ID.encode()
+        + b'{"a": ' * 100_000
+        + b"1"
+        + b"}" * 100_001,
+    ],
+    ids=["top level", "in a field", "in stream_options"],
+)
 def test_json_nested_100000_deep_is_a_400_without_a_traceback(base_url, body):
     assert len(body) < LIMIT
     records = Records()
@@ -227,15 +277,25 @@ def test_a_body_that_is_not_utf8_is_a_400(base_url):
 # Long prompts: refused before tokenizing where the count is certain; tokenized off the event loop
 # ----------------------------------------------------------------------------------------------------------
 
+
 def test_the_character_bound_is_the_longest_token_and_really_bounds_the_token_count(generator):
     tokenizer = generator.tokenizer
     per_token = max_chars_per_token(tokenizer)
     assert per_token == max(len(token) for token in tokenizer.get_vocab()) == len("<|endoftext|>") == 13
     assert generator.max_prompt_chars == 13 * LIMITS.max_prompt_tokens
     longest_words = sorted(tokenizer.get_vocab(), key=len)[-50:]
-    texts = ["a" * 5000, "Netherlands" * 300, " Netherlands" * 300, "<|endoftext|>" * 300, "<think>" * 300,
-             "你好，世界。" * 300, "🙂" * 500, " " * 5000, "\n" * 5000,
-             "".join(word.replace("Ġ", " ") for word in longest_words)]
+    texts = [
+        "a" * 5000,
+        "Netherlands" * 300,
+        " Netherlands" * 300,
+        "<|endoftext|>" * 300,
+        "<think>" * 300,
+        "你好，世界。" * 300,
+        "🙂" * 500,
+        " " * 5000,
+        "\n" * 5000,
+        "".join(word.replace("Ġ", " ") for word in longest_words),
+    ]
     for text in texts:
         assert len(text) <= per_token * len(tokenizer(text)["input_ids"]), text[:40]
 
@@ -252,8 +312,7 @@ def test_no_character_bound_where_a_token_can_stand_for_any_length_of_text(gener
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing_it(base_url, generator, monkeypatch,
-                                                                            chat):
+def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing_it(base_url, generator, monkeypatch, chat):
     import minimind.serving
 
     tokenized = []
@@ -265,15 +324,20 @@ def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing_it(base
     text = "word " * (generator.max_prompt_chars // 5) + "x"  # 1 character over; about 260 tokens
     assert len(text) == generator.max_prompt_chars + 1
     body = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": ["fine", text]}
-    response = post(base_url, "/v1/chat/completions" if chat else "/v1/completions",
-                    json.dumps({"model": MODEL_ID, **body}).encode())
+    response = post(
+        base_url,
+        "/v1/chat/completions" if chat else "/v1/completions",
+        json.dumps({"model": MODEL_ID, **body}).encode(),
+    )
     error = error_of(response)
     param = "messages" if chat else "prompt"
     assert (response.status_code, error["param"], error["code"]) == (400, param, "context_length_exceeded")
     chars = len(text) + (len("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n") if chat else 0)
-    assert error["message"] == (f"This model's maximum context length is 128 tokens and prompts may have at most 100; "
-                                f"the {param} has {chars} characters, more than 100 tokens however it is tokenized. "
-                                "Shorten it.")
+    assert error["message"] == (
+        f"This model's maximum context length is 128 tokens and prompts may have at most 100; "
+        f"the {param} has {chars} characters, more than 100 tokens however it is tokenized. "
+        "Shorten it."
+    )
     assert tokenized == []
 
 
@@ -317,8 +381,11 @@ def test_small_requests_keep_their_latency_while_a_large_prompt_is_tokenized(bas
         assert response.status_code == 200
 
     def completion():
-        response = httpx.post(f"{base_url}/v1/completions", timeout=10, json={
-            "model": MODEL_ID, "prompt": "Hello", "max_tokens": 1, "temperature": 0})
+        response = httpx.post(
+            f"{base_url}/v1/completions",
+            timeout=10,
+            json={"model": MODEL_ID, "prompt": "Hello", "max_tokens": 1, "temperature": 0},
+        )
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1
 
     def seconds(ask):
@@ -335,6 +402,7 @@ def test_small_requests_keep_their_latency_while_a_large_prompt_is_tokenized(bas
         return time.monotonic()
 
     with ThreadPoolExecutor(len(burst) + 1) as pool:
+
         def send(asks):
             return [future.result(timeout=15) for future in [pool.submit(seconds, ask) for ask in asks]]
 
@@ -350,13 +418,16 @@ def test_small_requests_keep_their_latency_while_a_large_prompt_is_tokenized(bas
     latencies = [(ask.__name__, took, worst_idle[ask]) for ask, took in zip(burst, loaded)]
     slow = [(name, took, was) for name, took, was in latencies if took > 5 * was + 0.5]
     assert not slow, (slow, latencies)
-    print(f"large prompt answered {large_end - small_done:.2f} s after the burst; burst latencies (s, idle s): "
-          + ", ".join(f"{name} {took:.3f} ({was:.3f})" for name, took, was in latencies))
+    print(
+        f"large prompt answered {large_end - small_done:.2f} s after the burst; burst latencies (s, idle s): "
+        + ", ".join(f"{name} {took:.3f} ({was:.3f})" for name, took, was in latencies)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Exposure: the docs behind the key, the warning off loopback
 # ----------------------------------------------------------------------------------------------------------
+
 
 def test_docs_and_schema_are_not_served_when_a_key_is_set(generator):
     from starlette.testclient import TestClient
@@ -371,36 +442,63 @@ def test_docs_and_schema_are_not_served_when_a_key_is_set(generator):
     assert keyed.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
-@pytest.mark.parametrize("host, loopback", [
-    ("127.0.0.1", True), ("127.1.2.3", True), ("::1", True), ("[::1]", True), ("localhost", True),
-    ("LocalHost", True), ("::ffff:127.0.0.1", True),
-    ("0.0.0.0", False), ("::", False), ("", False), ("192.168.1.10", False), ("10.0.0.1", False),
-    ("128.0.0.1", False), ("example.com", False), ("localhost.example.com", False), ("fe80::1", False),
-])
+@pytest.mark.parametrize(
+    "host, loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("LocalHost", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("", False),
+        ("192.168.1.10", False),
+        ("10.0.0.1", False),
+        ("128.0.0.1", False),
+        ("example.com", False),
+        ("localhost.example.com", False),
+        ("fe80::1", False),
+    ],
+)
 def test_is_loopback_host(host, loopback):
     assert is_loopback_host(host) is loopback
 
 
-@pytest.mark.parametrize("argv, warning", [
-    (["--host", "0.0.0.0"], "warning: serving on 0.0.0.0:8000 without --api_key: anyone who can reach this port "
-                            "can use the model; pass --api_key (or set MINIMIND_API_KEY)\n"),
-    (["--host", "::", "--port", "9000"], "warning: serving on [::]:9000 without --api_key: anyone who can reach "
-                                         "this port can use the model; pass --api_key (or set MINIMIND_API_KEY)\n"),
-    (["--host", "0.0.0.0", "--api_key", ""], "warning: serving on 0.0.0.0:8000 without --api_key"),
-    (["--host", "127.0.0.1"], None),
-    ([], None),
-    (["--host", "0.0.0.0", "--api_key", "k"], None),
-], ids=["0.0.0.0", "::", "empty key", "127.0.0.1", "default", "with key"])
-def test_serve_warns_when_it_binds_beyond_loopback_without_a_key(monkeypatch, generator, tmp_path, capsys, argv,
-                                                                  warning):
+@pytest.mark.parametrize(
+    "argv, warning",
+    [
+        (
+            ["--host", "0.0.0.0"],
+            "warning: serving on 0.0.0.0:8000 without --api_key: anyone who can reach this port "
+            "can use the model; pass --api_key (or set MINIMIND_API_KEY)\n",
+        ),
+        (
+            ["--host", "::", "--port", "9000"],
+            "warning: serving on [::]:9000 without --api_key: anyone who can reach "
+            "this port can use the model; pass --api_key (or set MINIMIND_API_KEY)\n",
+        ),
+        (["--host", "0.0.0.0", "--api_key", ""], "warning: serving on 0.0.0.0:8000 without --api_key"),
+        (["--host", "127.0.0.1"], None),
+        ([], None),
+        (["--host", "0.0.0.0", "--api_key", "k"], None),
+    ],
+    ids=["0.0.0.0", "::", "empty key", "127.0.0.1", "default", "with key"],
+)
+def test_serve_warns_when_it_binds_beyond_loopback_without_a_key(
+    monkeypatch, generator, tmp_path, capsys, argv, warning
+):
     import uvicorn
 
     import minimind.chat
 
     runs = []
     monkeypatch.delenv("MINIMIND_API_KEY", raising=False)
-    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer",
-                        lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(
+        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+    )
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(kwargs))
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), *argv])
     err = capsys.readouterr().err
@@ -418,8 +516,9 @@ def test_serve_takes_max_request_bytes(monkeypatch, generator, tmp_path):
     import minimind.serving
 
     apps = []
-    monkeypatch.setattr(minimind.chat, "load_model_and_tokenizer",
-                        lambda *args: (generator.model, generator.tokenizer))
+    monkeypatch.setattr(
+        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+    )
     monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: apps.append(app))
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--max_request_bytes", "2048"])
     assert apps[0].state.generator.limits.max_request_bytes == 2048

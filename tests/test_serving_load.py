@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import model_dir, torch_threads
 
+from conftest import model_dir, torch_threads
 from minimind.chat import load_model_and_tokenizer
 from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
 
@@ -36,14 +36,22 @@ def generator(tmp_path_factory):
     path = tmp_path_factory.mktemp("served-long")
     model_dir(path, std=0.3, max_position_embeddings=CONTEXT)
     model, tokenizer = load_model_and_tokenizer(str(path), "cpu")
-    return Generator(model, tokenizer, MODEL_ID, limits=ServerLimits(
-        max_tokens=CONTEXT - 64, max_concurrent_requests=16, default_max_tokens=8))
+    return Generator(
+        model,
+        tokenizer,
+        MODEL_ID,
+        limits=ServerLimits(max_tokens=CONTEXT - 64, max_concurrent_requests=16, default_max_tokens=8),
+    )
 
 
 def ask(url, index, max_tokens):
     """One request, streaming every third one; (seconds, completion tokens, finish reasons)."""
-    body = {"model": MODEL_ID, "prompt": f"request {index}: " + "tale " * (index % 7), "max_tokens": max_tokens,
-            "temperature": 0 if index % 2 else 0.8}
+    body = {
+        "model": MODEL_ID,
+        "prompt": f"request {index}: " + "tale " * (index % 7),
+        "max_tokens": max_tokens,
+        "temperature": 0 if index % 2 else 0.8,
+    }
     start = time.monotonic()
     if index % 3:
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -109,5 +117,7 @@ def test_32_requests_from_8_clients_finish_while_an_abandoned_huge_request_is_ca
         grown = rss_bytes() - rss_before
         assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB"
     hook.remove()
-    print(f"unloaded {unloaded:.3f} s; latencies median {latencies[16]:.2f} s, max {latencies[-1]:.2f} s; "
-          f"{settled} steps; RSS +{grown / 2**20:.1f} MiB")
+    print(
+        f"unloaded {unloaded:.3f} s; latencies median {latencies[16]:.2f} s, max {latencies[-1]:.2f} s; "
+        f"{settled} steps; RSS +{grown / 2**20:.1f} MiB"
+    )

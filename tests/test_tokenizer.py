@@ -12,14 +12,23 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from conftest import load_script  # noqa: E402
 from minimind.tokenizer import (  # noqa: E402
-    CHAT_TEMPLATE, QWEN2_PRETOKENIZE_REGEX, SPECIAL_TOKENS, load_tokenizer, save_tokenizer,
+    CHAT_TEMPLATE,
+    QWEN2_PRETOKENIZE_REGEX,
+    SPECIAL_TOKENS,
+    load_tokenizer,
+    save_tokenizer,
 )
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "tokenizer"
 
 EXPECTED_IDS = {
-    "<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2,
-    "<think>": 3, "</think>": 4, "<tool_call>": 5, "</tool_call>": 6,
+    "<|endoftext|>": 0,
+    "<|im_start|>": 1,
+    "<|im_end|>": 2,
+    "<think>": 3,
+    "</think>": 4,
+    "<tool_call>": 5,
+    "</tool_call>": 6,
 }
 
 TRICKY = [
@@ -131,8 +140,11 @@ def test_chat_template_tool_call(tok):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Add 1 and 2."},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+        },
         {"role": "tool", "content": "3"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [{"name": "add", "arguments": '{"a": 0}'}]},
     ]
@@ -145,7 +157,8 @@ def test_chat_template_tool_call(tok):
         "<|im_start|>user\nAdd 1 and 2.<|im_end|>\n"
         '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>\n'
         "<|im_start|>tool\n3<|im_end|>\n"
-        '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "add", "arguments": {"a": 0}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>assistant\nChecking.\n"
+        '<tool_call>\n{"name": "add", "arguments": {"a": 0}}\n</tool_call><|im_end|>\n'
         "<|im_start|>assistant\n"
     )
 

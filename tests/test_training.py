@@ -16,11 +16,37 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, load_script, torch_threads
 
-TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-              "--num_key_value_heads", "2", "--intermediate_size", "96"]
-FAST = ["--use_cpu", "--report_to", "none", "--max_seq_length", "32", "--per_device_train_batch_size", "4",
-        "--per_device_eval_batch_size", "8", "--logging_steps", "1", "--save_strategy", "no",
-        "--disable_tqdm", "true", "--seed", "0"]
+TINY_MODEL = [
+    "--hidden_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--num_attention_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "96",
+]
+FAST = [
+    "--use_cpu",
+    "--report_to",
+    "none",
+    "--max_seq_length",
+    "32",
+    "--per_device_train_batch_size",
+    "4",
+    "--per_device_eval_batch_size",
+    "8",
+    "--logging_steps",
+    "1",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+    "--seed",
+    "0",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,9 +65,11 @@ def head(src, dst, n):
 def data(tmp_path_factory):
     """Small slices of the bundled corpus."""
     d = tmp_path_factory.mktemp("data")
-    return {"pretrain": head(os.path.join(ROOT, "data", "pretrain.jsonl"), d / "pretrain.jsonl", 150),
-            "sft": head(os.path.join(ROOT, "data", "sft.jsonl"), d / "sft.jsonl", 48),
-            "dpo": head(os.path.join(ROOT, "data", "dpo.jsonl"), d / "dpo.jsonl", 16)}
+    return {
+        "pretrain": head(os.path.join(ROOT, "data", "pretrain.jsonl"), d / "pretrain.jsonl", 150),
+        "sft": head(os.path.join(ROOT, "data", "sft.jsonl"), d / "sft.jsonl", 48),
+        "dpo": head(os.path.join(ROOT, "data", "dpo.jsonl"), d / "dpo.jsonl", 16),
+    }
 
 
 def logged_losses(trainer, key="loss"):
@@ -62,8 +90,21 @@ def pretrained(tmp_path_factory, data):
     """A tiny model pretrained for a few steps by scripts/pretrain.py: (output_dir, trainer, metrics)."""
     out = tmp_path_factory.mktemp("pretrain")
     trainer, metrics = load_script("pretrain").main(
-        ["--data_path", data["pretrain"], "--output_dir", str(out), "--max_steps", "12", "--learning_rate", "3e-3",
-         "--eval_fraction", "0.1", *TINY_MODEL, *FAST])
+        [
+            "--data_path",
+            data["pretrain"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "12",
+            "--learning_rate",
+            "3e-3",
+            "--eval_fraction",
+            "0.1",
+            *TINY_MODEL,
+            *FAST,
+        ]
+    )
     return str(out), trainer, metrics
 
 
@@ -77,11 +118,21 @@ def test_pretrain_writes_complete_loadable_hf_directory(pretrained):
     assert any("eval_perplexity" in entry for entry in trainer.state.log_history)
 
     files = set(os.listdir(out))
-    assert {"config.json", "configuration_minimind.py", "modeling_minimind.py", "model.safetensors",
-            "generation_config.json", "tokenizer.json", "tokenizer_config.json", "loss_curve.md"} <= files
+    assert {
+        "config.json",
+        "configuration_minimind.py",
+        "modeling_minimind.py",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "loss_curve.md",
+    } <= files
     assert "training_args.bin" not in files and not any(f.endswith((".bin", ".pt", ".pth")) for f in files)
-    assert json.loads(Path(out, "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
-        "modeling_minimind.MiniMindForCausalLM"
+    assert (
+        json.loads(Path(out, "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        == "modeling_minimind.MiniMindForCausalLM"
+    )
     assert json.loads(Path(out, "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     generation = json.loads(Path(out, "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["pad_token_id"]) == (1, 0)
@@ -96,8 +147,24 @@ def test_pretrain_writes_complete_loadable_hf_directory(pretrained):
 def test_sft_pads_batches_and_chats_after_reload(pretrained, data, tmp_path):
     out = tmp_path / "sft"
     trainer, metrics = load_script("sft").main(
-        ["--model_name_or_path", pretrained[0], "--data_path", data["sft"], "--output_dir", str(out),
-         "--max_steps", "4", "--learning_rate", "3e-3", "--eval_fraction", "0.2", "--max_seq_length", "96", *FAST])
+        [
+            "--model_name_or_path",
+            pretrained[0],
+            "--data_path",
+            data["sft"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--learning_rate",
+            "3e-3",
+            "--eval_fraction",
+            "0.2",
+            "--max_seq_length",
+            "96",
+            *FAST,
+        ]
+    )
     assert trainer.state.global_step == 4 and math.isfinite(metrics["eval_perplexity"])
     # SFT rows have different lengths: the collator pads per batch, with -100 labels on the padding.
     batch = next(iter(trainer.get_train_dataloader()))
@@ -105,8 +172,9 @@ def test_sft_pads_batches_and_chats_after_reload(pretrained, data, tmp_path):
 
     model = load_remote(out)
     tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     reply = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert reply.shape[1] > prompt["input_ids"].shape[1]
 
@@ -117,9 +185,25 @@ def test_padding_free_sft_gives_the_padded_loss(pretrained, data, tmp_path):
     losses, trainers = {}, {}
     for name, extra in (("padded", []), ("padding_free", ["--padding_free"])):
         trainers[name], _ = load_script("sft").main(
-            ["--model_name_or_path", pretrained[0], "--data_path", data["sft"], "--output_dir", str(tmp_path / name),
-             "--max_steps", "3", "--learning_rate", "3e-3", "--eval_fraction", "0", "--max_seq_length", "96",
-             *FAST, *extra])
+            [
+                "--model_name_or_path",
+                pretrained[0],
+                "--data_path",
+                data["sft"],
+                "--output_dir",
+                str(tmp_path / name),
+                "--max_steps",
+                "3",
+                "--learning_rate",
+                "3e-3",
+                "--eval_fraction",
+                "0",
+                "--max_seq_length",
+                "96",
+                *FAST,
+                *extra,
+            ]
+        )
         losses[name] = logged_losses(trainers[name])
     assert losses["padding_free"] == pytest.approx(losses["padded"], abs=1e-5), losses
 
@@ -146,8 +230,11 @@ def test_precision_follows_the_hardware_unless_chosen(monkeypatch):
         return namespace.bf16
 
     assert (bf16([], gpu=True), bf16([], gpu=False)) == (True, False)
-    assert (bf16(["--use_cpu"], gpu=True), bf16(["--no_bf16"], gpu=True), bf16(["--fp16"], gpu=True)) == \
-        (False, False, False)
+    assert (bf16(["--use_cpu"], gpu=True), bf16(["--no_bf16"], gpu=True), bf16(["--fp16"], gpu=True)) == (
+        False,
+        False,
+        False,
+    )
     assert bf16(["--bf16"], gpu=False) is True
     monkeypatch.undo()
     *_, dpo_args = parse_args(["--output_dir", "x"], training_args_class=DPOConfig)
@@ -175,8 +262,9 @@ def test_lora_targets_projections_not_router():
     from conftest import tiny_model
     from minimind.training import LORA_TARGET_MODULES
 
-    model = get_peft_model(tiny_model(use_moe=True, num_experts=2),
-                           LoraConfig(target_modules=LORA_TARGET_MODULES, task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        tiny_model(use_moe=True, num_experts=2), LoraConfig(target_modules=LORA_TARGET_MODULES, task_type="CAUSAL_LM")
+    )
     wrapped = {name for name, module in model.named_modules() if hasattr(module, "lora_A")}
     assert any(".mlp.experts.1.down_proj" in name for name in wrapped)
     assert any(".self_attn.q_proj" in name for name in wrapped)
@@ -188,9 +276,25 @@ def test_lora_adapter_and_merged_model_give_same_logits(pretrained, data, tmp_pa
 
     out = tmp_path / "lora"
     trainer, _ = load_script("lora").main(
-        ["--model_name_or_path", pretrained[0], "--data_path", data["sft"], "--output_dir", str(out),
-         "--max_steps", "3", "--learning_rate", "1e-2", "--eval_fraction", "0", "--max_seq_length", "96",
-         "--merge", *FAST])
+        [
+            "--model_name_or_path",
+            pretrained[0],
+            "--data_path",
+            data["sft"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--learning_rate",
+            "1e-2",
+            "--eval_fraction",
+            "0",
+            "--max_seq_length",
+            "96",
+            "--merge",
+            *FAST,
+        ]
+    )
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out))
     ids = torch.tensor([[1, 300, 301, 302, 303, 304]])
     base_logits = logits_of(load_remote(pretrained[0]), ids)
@@ -203,9 +307,26 @@ def test_lora_adapter_and_merged_model_give_same_logits(pretrained, data, tmp_pa
 def test_dpo_increases_chosen_rejected_margin(pretrained, data, tmp_path):
     out = tmp_path / "dpo"
     trainer, _ = load_script("dpo").main(
-        ["--model_name_or_path", pretrained[0], "--data_path", data["dpo"], "--output_dir", str(out),
-         "--max_steps", "8", "--learning_rate", "5e-3", "--beta", "0.1", "--eval_fraction", "0",
-         "--max_seq_length", "96", *FAST])
+        [
+            "--model_name_or_path",
+            pretrained[0],
+            "--data_path",
+            data["dpo"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "8",
+            "--learning_rate",
+            "5e-3",
+            "--beta",
+            "0.1",
+            "--eval_fraction",
+            "0",
+            "--max_seq_length",
+            "96",
+            *FAST,
+        ]
+    )
     margins = logged_losses(trainer, "rewards/margins")
     # Step 1: policy == reference, margin 0. Training on the same pairs must separate them.
     # Each step sees other pairs, so single values are noisy: compare the last three steps.
@@ -225,7 +346,7 @@ def reference_distillation_kl(student, teacher, labels, temperature):
             q = torch.softmax(student[b, t].double() / temperature, -1)
             total += sum(p[v].item() * math.log(p[v].item() / q[v].item()) for v in range(p.shape[0]))
             count += 1
-    return temperature ** 2 * total / count
+    return temperature**2 * total / count
 
 
 def test_distillation_kl_term():
@@ -242,14 +363,16 @@ def test_distillation_kl_term():
     assert distillation_kl(student, teacher, labels, 2.0).item() == pytest.approx(expected, rel=1e-6)
     assert expected > 0.1  # far from 0, so a missing or wrong factor cannot hide below the tolerance
     assert distillation_kl(student, teacher, labels, 1.0).item() == pytest.approx(
-        reference_distillation_kl(student, teacher, labels, 1.0), rel=1e-6)
+        reference_distillation_kl(student, teacher, labels, 1.0), rel=1e-6
+    )
     assert distillation_kl(teacher, teacher, labels, 2.0).item() == pytest.approx(0.0, abs=1e-6)
 
     excluded = student.clone()
     excluded[0, 0] += 5.0  # predicts labels[0, 1] = -100
     excluded[1, 4] -= 3.0  # the last position predicts nothing
-    assert distillation_kl(excluded, teacher, labels, 2.0).item() == distillation_kl(student, teacher, labels,
-                                                                                     2.0).item()
+    assert (
+        distillation_kl(excluded, teacher, labels, 2.0).item() == distillation_kl(student, teacher, labels, 2.0).item()
+    )
     included = student.clone()
     included[1, 1, 0] += 5.0  # predicts labels[1, 2] = 2
     changed = distillation_kl(included, teacher, labels, 2.0).item()
@@ -260,9 +383,29 @@ def test_distillation_kl_term():
 def test_distill_from_saved_teacher_lowers_loss(pretrained, data, tmp_path):
     out = tmp_path / "distill"
     trainer, metrics = load_script("distill").main(
-        ["--teacher_name_or_path", pretrained[0], "--data_kind", "pretrain", "--data_path", data["pretrain"],
-         "--output_dir", str(out), "--max_steps", "10", "--learning_rate", "3e-3", "--eval_fraction", "0.1",
-         "--temperature", "2.0", "--alpha", "0.5", *TINY_MODEL, *FAST])
+        [
+            "--teacher_name_or_path",
+            pretrained[0],
+            "--data_kind",
+            "pretrain",
+            "--data_path",
+            data["pretrain"],
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "10",
+            "--learning_rate",
+            "3e-3",
+            "--eval_fraction",
+            "0.1",
+            "--temperature",
+            "2.0",
+            "--alpha",
+            "0.5",
+            *TINY_MODEL,
+            *FAST,
+        ]
+    )
     losses = logged_losses(trainer)
     assert losses[-1] < losses[0] - 0.3, losses
     assert math.isfinite(metrics["eval_perplexity"])
@@ -290,8 +433,13 @@ def test_malformed_line_stops_before_training(data, tmp_path, capsys):
 
 def subprocess_env():
     # One thread per process: the CI machine has 2 cores shared with other jobs.
-    return {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def test_sigkill_mid_run_then_resume_finishes_all_steps(data, tmp_path):
@@ -300,10 +448,28 @@ def test_sigkill_mid_run_then_resume_finishes_all_steps(data, tmp_path):
     out = tmp_path / "run"
     max_steps = 80
     # Later flags win: these override FAST's --save_strategy no.
-    argv = ["--data_path", data["pretrain"], "--output_dir", str(out), "--max_steps", str(max_steps),
-            *TINY_MODEL, *FAST, "--save_strategy", "steps", "--save_steps", "5", "--save_total_limit", "2"]
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "pretrain.py"), *argv],
-                               env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = [
+        "--data_path",
+        data["pretrain"],
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(max_steps),
+        *TINY_MODEL,
+        *FAST,
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "5",
+        "--save_total_limit",
+        "2",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "scripts", "pretrain.py"), *argv],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.time() + 120
         while latest_complete_checkpoint(out) is None:
@@ -336,13 +502,39 @@ def test_two_processes_match_one_process(data, tmp_path):
     means vs one mean over 4 rows). Measured: <= 2e-6 apart over 5 steps; 1e-4 absolute on a loss of ~8 leaves
     room for other BLAS builds and still catches any real difference (a wrong batch split, per-rank seeds or
     loss scaling change the loss by >1e-2; one process with batch 2 differs by 0.2 here)."""
-    common = ["--data_path", data["pretrain"], "--max_steps", "5", "--learning_rate", "3e-3",
-              "--eval_fraction", "0", *TINY_MODEL, *FAST]
+    common = [
+        "--data_path",
+        data["pretrain"],
+        "--max_steps",
+        "5",
+        "--learning_rate",
+        "3e-3",
+        "--eval_fraction",
+        "0",
+        *TINY_MODEL,
+        *FAST,
+    ]
     two = tmp_path / "two"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.join(ROOT, "scripts", "pretrain.py"), *common, "--output_dir", str(two),
-               "--per_device_train_batch_size", "2", "--ddp_backend", "gloo",
-               "--save_strategy", "steps", "--save_steps", "5"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        os.path.join(ROOT, "scripts", "pretrain.py"),
+        *common,
+        "--output_dir",
+        str(two),
+        "--per_device_train_batch_size",
+        "2",
+        "--ddp_backend",
+        "gloo",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "5",
+    ]
     result = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     # Both ranks wrote their RNG state into the staged checkpoint before it was renamed into place.
@@ -356,8 +548,9 @@ def test_two_processes_match_one_process(data, tmp_path):
     state = json.loads((two / "trainer_state.json").read_text())
     two_losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
 
-    one, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "one"),
-                                          "--per_device_train_batch_size", "4"])
+    one, _ = load_script("pretrain").main(
+        [*common, "--output_dir", str(tmp_path / "one"), "--per_device_train_batch_size", "4"]
+    )
     one_losses = logged_losses(one)
     assert len(one_losses) == len(two_losses) == 5
     assert one_losses == pytest.approx(two_losses, abs=1e-4), (one_losses, two_losses)
@@ -379,9 +572,26 @@ def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data,
         return original_step(self, *args, **kwargs)
 
     monkeypatch.setattr(training.CausalLMTrainer, "training_step", recording_step)
-    common = ["--data_path", data["pretrain"], "--max_steps", "6", "--learning_rate", "3e-3", "--eval_fraction", "0",
-              "--lr_scheduler_type", "cosine", "--warmup_steps", "2", *TINY_MODEL, *FAST,
-              "--save_strategy", "steps", "--save_steps", "3"]
+    common = [
+        "--data_path",
+        data["pretrain"],
+        "--max_steps",
+        "6",
+        "--learning_rate",
+        "3e-3",
+        "--eval_fraction",
+        "0",
+        "--lr_scheduler_type",
+        "cosine",
+        "--warmup_steps",
+        "2",
+        *TINY_MODEL,
+        *FAST,
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "3",
+    ]
     full, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "full")])
     assert steps_run == [0, 1, 2, 3, 4, 5]
 
@@ -389,8 +599,9 @@ def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data,
     resumed_dir.mkdir()
     shutil.copytree(tmp_path / "full" / "checkpoint-3", resumed_dir / "checkpoint-3")
     steps_run.clear()
-    resumed, _ = load_script("pretrain").main([*common, "--output_dir", str(resumed_dir),
-                                               "--resume_from_checkpoint", "last"])
+    resumed, _ = load_script("pretrain").main(
+        [*common, "--output_dir", str(resumed_dir), "--resume_from_checkpoint", "last"]
+    )
     assert steps_run == [3, 4, 5]
     # Measured: bit-identical (same arithmetic, one thread, the same batches in the same order).
     full_losses = [(entry["step"], entry["loss"]) for entry in full.state.log_history if "loss" in entry]
@@ -403,11 +614,22 @@ def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data,
 def test_torch_compile_flag_trains_the_same_losses_as_eager(data, tmp_path):
     """The Trainer's own `--torch_compile` on a dense MiniMind: inductor compiles forward and backward on CPU and
     the per-step losses follow eager's (fused elementwise kernels round differently, so not bit for bit)."""
-    common = ["--data_path", data["pretrain"], "--max_steps", "4", "--learning_rate", "3e-3", "--eval_fraction", "0",
-              *TINY_MODEL, *FAST]
+    common = [
+        "--data_path",
+        data["pretrain"],
+        "--max_steps",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--eval_fraction",
+        "0",
+        *TINY_MODEL,
+        *FAST,
+    ]
     eager, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "eager")])
-    compiled, _ = load_script("pretrain").main([*common, "--output_dir", str(tmp_path / "compiled"),
-                                                "--torch_compile"])
+    compiled, _ = load_script("pretrain").main(
+        [*common, "--output_dir", str(tmp_path / "compiled"), "--torch_compile"]
+    )
     assert compiled.args.torch_compile and not eager.args.torch_compile
     assert type(compiled.model_wrapped).__name__ == "OptimizedModule"  # the step really ran compiled
     assert logged_losses(compiled) == pytest.approx(logged_losses(eager), abs=1e-4)

@@ -47,8 +47,19 @@ def fetch_test_sources():
     sdist = root / f"transformers-{VERSION}.tar.gz"
     if not sdist.exists():
         root.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", "transformers",
-                   f"transformers=={VERSION}", "-d", str(root)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-binary",
+            "transformers",
+            f"transformers=={VERSION}",
+            "-d",
+            str(root),
+        ]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired:
@@ -57,12 +68,15 @@ def fetch_test_sources():
             raise RuntimeError(f"`{' '.join(command)}` failed: {done.stderr.strip()[-400:]}")
     prefix = f"transformers-{VERSION}/tests/"
     with tarfile.open(sdist) as tar, tempfile.TemporaryDirectory(dir=root) as tmp:
-        members = [m for m in tar.getmembers()
-                   if m.isfile() and m.name.startswith(prefix) and "/" not in m.name[len(prefix):]]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.isfile() and m.name.startswith(prefix) and "/" not in m.name[len(prefix) :]
+        ]
         if not any(m.name.endswith("/test_modeling_common.py") for m in members):
             raise RuntimeError(f"{sdist.name} has no tests/test_modeling_common.py")
         for member in members:
-            member.name = member.name[len(prefix):]
+            member.name = member.name[len(prefix) :]
             tar.extract(member, Path(tmp) / PACKAGE, filter="data")
         (Path(tmp) / PACKAGE / "__init__.py").write_text("")
         os.replace(Path(tmp) / PACKAGE, root / PACKAGE)
@@ -76,10 +90,19 @@ def import_test_sources(root):
         "exporters.test_export": {"ExportTesterMixin": type("ExportTesterMixin", (), {})},
         "generation.test_utils": {"GenerationTesterMixin": type("GenerationTesterMixin", (), {})},
         # ConfigTester checks that these PreTrainedConfig fields, given non-default values, stick.
-        "utils.test_configuration_utils": {"config_common_kwargs": {
-            "return_dict": False, "output_hidden_states": True, "output_attentions": True, "dtype": "float16",
-            "chunk_size_feed_forward": 3, "architectures": ["SomeModel"], "id2label": {0: "no", 1: "yes"},
-            "label2id": {"no": 0, "yes": 1}, "problem_type": "single_label_classification"}},
+        "utils.test_configuration_utils": {
+            "config_common_kwargs": {
+                "return_dict": False,
+                "output_hidden_states": True,
+                "output_attentions": True,
+                "dtype": "float16",
+                "chunk_size_feed_forward": 3,
+                "architectures": ["SomeModel"],
+                "id2label": {0: "no", 1: "yes"},
+                "label2id": {"no": 0, "yes": 1},
+                "problem_type": "single_label_classification",
+            }
+        },
     }
     sys.path.insert(0, str(root))
     for dotted, attributes in stand_ins.items():
@@ -88,8 +111,10 @@ def import_test_sources(root):
         module = types.ModuleType(f"{PACKAGE}.{dotted}")
         module.__dict__.update(attributes)
         sys.modules[f"{PACKAGE}.{dotted}"] = module
-    return [importlib.import_module(f"{PACKAGE}.{name}")
-            for name in ("test_modeling_common", "test_configuration_common", "test_training_mixin")]
+    return [
+        importlib.import_module(f"{PACKAGE}.{name}")
+        for name in ("test_modeling_common", "test_configuration_common", "test_training_mixin")
+    ]
 
 
 try:
@@ -98,8 +123,14 @@ except Exception as error:  # offline, no sdist for this version (a dev build), 
     pytest.skip(f"transformers {VERSION}'s test sources are unavailable: {error}", allow_module_level=True)
 
 import torch  # noqa: E402
-from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3Model, Qwen3MoeConfig, Qwen3MoeForCausalLM,  # noqa: E402
-                          Qwen3MoeModel)
+from transformers import (
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,  # noqa: E402
+    Qwen3MoeModel,
+)
 from transformers.models.auto import configuration_auto, modeling_auto  # noqa: E402
 
 from configuration_minimind import MiniMindConfig  # noqa: E402
@@ -113,9 +144,19 @@ class TinyDecoderTester:
     batch_size = 13
     seq_length = 7
     is_training = True
-    sizes = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=8, intermediate_size=37, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-                 eos_token_id=2)
+    sizes = dict(
+        vocab_size=99,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=37,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
 
     def __init__(self, parent, config_class, causal_lm_class, **config_kwargs):
         self.parent = parent
@@ -142,8 +183,10 @@ class CommonModelTests(common.ModelTesterMixin, training.TrainingTesterMixin):
     config_class = None
     config_kwargs = {}
     # test-name prefix -> why the test cannot run here
-    skips = {"test_generation_tester_mixin_inheritance":
-             "GenerationTesterMixin (tests/generation/test_utils.py) is not in the transformers sdist"}
+    skips = {
+        "test_generation_tester_mixin_inheritance": "GenerationTesterMixin (tests/generation/test_utils.py) is not "
+        "in the transformers sdist"
+    }
 
     def setUp(self):
         for prefix, reason in self.skips.items():
@@ -179,11 +222,13 @@ def minimind_registered():
     """What an in-tree model gets from transformers' auto tables: AutoConfig/AutoModel/AutoModelForCausalLM
     resolve MiniMind, and the tables of class names that the mixin reads (is this the base model? a causal LM,
     whose labels are token ids?) list it."""
-    patches = ((configuration_auto.CONFIG_MAPPING._extra_content, {"minimind": MiniMindConfig}),
-               (modeling_auto.MODEL_MAPPING._extra_content, {MiniMindConfig: MiniMindModel}),
-               (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING._extra_content, {MiniMindConfig: MiniMindForCausalLM}),
-               (modeling_auto.MODEL_MAPPING_NAMES, {"minimind": "MiniMindModel"}),
-               (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"minimind": "MiniMindForCausalLM"}))
+    patches = (
+        (configuration_auto.CONFIG_MAPPING._extra_content, {"minimind": MiniMindConfig}),
+        (modeling_auto.MODEL_MAPPING._extra_content, {MiniMindConfig: MiniMindModel}),
+        (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING._extra_content, {MiniMindConfig: MiniMindForCausalLM}),
+        (modeling_auto.MODEL_MAPPING_NAMES, {"minimind": "MiniMindModel"}),
+        (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"minimind": "MiniMindForCausalLM"}),
+    )
     with contextlib.ExitStack() as stack:
         for table, entries in patches:
             stack.enter_context(mock.patch.dict(table, entries))
@@ -196,8 +241,11 @@ class MiniMindCommonTest(CommonModelTests, unittest.TestCase):
     # The mixin dates a model by the "# Copyright <year>" line of its config file, which ours does not have.
     test_can_init_all_missing_weights_before_2023 = True
     # The mixin decides "has experts" from the modeling file's source, which serves dense and MoE alike.
-    skips = {**CommonModelTests.skips, "test_eager_matches_batched_and_grouped_inference":
-             "a dense config has no experts to dispatch (the test runs in MiniMindMoeCommonTest)"}
+    skips = {
+        **CommonModelTests.skips,
+        "test_eager_matches_batched_and_grouped_inference": "a dense config has no experts to dispatch (the test "
+        "runs in MiniMindMoeCommonTest)",
+    }
 
     @classmethod
     def setUpClass(cls):

@@ -16,15 +16,33 @@ trl = pytest.importorskip("trl")
 def chats(n=8):
     from datasets import Dataset
 
-    return Dataset.from_list([{"messages": [{"role": "user", "content": f"What is {i} plus 1?"},
-                                            {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}]}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {i} plus 1?"},
+                    {"role": "assistant", "content": f"{i} plus 1 is {i + 1}."},
+                ]
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def sft_losses(model, tokenizer, output_dir):
-    args = trl.SFTConfig(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
-                         report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
-                         disable_tqdm=True)
+    args = trl.SFTConfig(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=chats(), processing_class=tokenizer)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -53,24 +71,46 @@ def test_sft_trainer_adds_the_moe_aux_loss_for_a_moe_minimind(tmp_path):
 # DPOTrainer and GRPOTrainer used directly
 # --------------------------------------------------------------------------------------------------------------
 
+
 def preference_pairs(n=8):
     from datasets import Dataset
 
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
-                               "chosen": [{"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}],
-                               "rejected": [{"role": "assistant", "content": f"{i} plus 1 is {i + 7}."}]}
-                              for i in range(n)])
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"What is {i} plus 1?"}],
+                "chosen": [{"role": "assistant", "content": f"{i} plus 1 is {i + 1}."}],
+                "rejected": [{"role": "assistant", "content": f"{i} plus 1 is {i + 7}."}],
+            }
+            for i in range(n)
+        ]
+    )
 
 
 def dpo_log(model, tokenizer, output_dir):
     import copy
 
-    args = trl.DPOConfig(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
-                         report_to=[], use_cpu=True, bf16=False, logging_steps=1, save_strategy="no", seed=0,
-                         disable_tqdm=True)
+    args = trl.DPOConfig(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     # A frozen copy as the reference: TRL would otherwise reload one from the config's path, which these lack.
-    trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model).eval(), args=args,
-                             train_dataset=preference_pairs(), processing_class=tokenizer)
+    trainer = trl.DPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model).eval(),
+        args=args,
+        train_dataset=preference_pairs(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
@@ -86,8 +126,9 @@ def test_dpo_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
     assert ours_log[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert ours_log[1]["loss"] != pytest.approx(math.log(2), abs=1e-4)  # step 2 has learned something
     for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"):
-        assert [entry[key] for entry in ours_log] == pytest.approx([entry[key] for entry in theirs_log],
-                                                                   rel=1e-4, abs=1e-6), key
+        assert [entry[key] for entry in ours_log] == pytest.approx(
+            [entry[key] for entry in theirs_log], rel=1e-4, abs=1e-6
+        ), key
     assert "aux_loss" not in ours_log[0]
 
 
@@ -105,11 +146,28 @@ def grpo_run(model, tokenizer, output_dir, reward_funcs, **overrides):
     prompts = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}]} for i in range(8)]
     from datasets import Dataset
 
-    settings = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=4, num_generations=4,
-                    max_completion_length=8, learning_rate=1e-2, report_to=[], use_cpu=True, bf16=False,
-                    logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward_funcs, args=trl.GRPOConfig(**{**settings, **overrides}),
-                              train_dataset=Dataset.from_list(prompts), processing_class=tokenizer)
+    settings = dict(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=trl.GRPOConfig(**{**settings, **overrides}),
+        train_dataset=Dataset.from_list(prompts),
+        processing_class=tokenizer,
+    )
     trainer.train()
     return trainer, [entry for entry in trainer.state.log_history if "reward" in entry]
 
@@ -165,6 +223,7 @@ def test_grpo_trainer_adds_the_moe_aux_loss_for_a_moe_minimind(tmp_path):
 # minimind.rl: the questions and the rewards, on hand-written completions
 # --------------------------------------------------------------------------------------------------------------
 
+
 def chat_file(path, chats):
     import json
 
@@ -175,22 +234,36 @@ def chat_file(path, chats):
 def test_questions_are_the_chat_file_questions_with_checkable_answers(tmp_path):
     from minimind.rl import question_dataset
 
-    user, assistant = (lambda text: {"role": "user", "content": text}), \
-        (lambda text: {"role": "assistant", "content": text})
-    path = chat_file(tmp_path / "chats.jsonl", [
-        [{"role": "system", "content": "Be brief."}, user("What is 3 plus 4?"), assistant("3 plus 4 is 7."),
-         user("What is the capital of Wenland?"), assistant("The capital of Wenland is Tarsk.")],
-        [user("Tell me a story."), assistant("Once upon a time, a cat sat. It was happy.")],  # not one answer
-        [user("How many days are in a week?"), assistant("There are 7 days in a week.")],  # no "is"
-        [user("What is 3 plus 4?"), assistant("3 plus 4 is 7.")],  # asked before: kept once
-        [user("What day comes after Friday?"), assistant("The day after Friday is Saturday.")],
-    ])
+    user, assistant = (
+        (lambda text: {"role": "user", "content": text}),
+        (lambda text: {"role": "assistant", "content": text}),
+    )
+    path = chat_file(
+        tmp_path / "chats.jsonl",
+        [
+            [
+                {"role": "system", "content": "Be brief."},
+                user("What is 3 plus 4?"),
+                assistant("3 plus 4 is 7."),
+                user("What is the capital of Wenland?"),
+                assistant("The capital of Wenland is Tarsk."),
+            ],
+            [user("Tell me a story."), assistant("Once upon a time, a cat sat. It was happy.")],  # not one answer
+            [user("How many days are in a week?"), assistant("There are 7 days in a week.")],  # no "is"
+            [user("What is 3 plus 4?"), assistant("3 plus 4 is 7.")],  # asked before: kept once
+            [user("What day comes after Friday?"), assistant("The day after Friday is Saturday.")],
+        ],
+    )
     rows = question_dataset(path).to_list()
-    assert rows == [{"prompt": [user("What is 3 plus 4?")], "answer": "7"},
-                    {"prompt": [user("What is the capital of Wenland?")], "answer": "tarsk"},
-                    {"prompt": [user("What day comes after Friday?")], "answer": "saturday"}]
-    assert [row["answer"] for row in question_dataset(path, question_pattern="capital|day").to_list()] == \
-        ["tarsk", "saturday"]
+    assert rows == [
+        {"prompt": [user("What is 3 plus 4?")], "answer": "7"},
+        {"prompt": [user("What is the capital of Wenland?")], "answer": "tarsk"},
+        {"prompt": [user("What day comes after Friday?")], "answer": "saturday"},
+    ]
+    assert [row["answer"] for row in question_dataset(path, question_pattern="capital|day").to_list()] == [
+        "tarsk",
+        "saturday",
+    ]
     from minimind.data import DataFormatError
 
     with pytest.raises(DataFormatError, match="no question matching 'colour'"):
@@ -206,8 +279,14 @@ def test_the_bundled_chats_give_1345_checkable_questions():
     assert questions["What is 3 plus 4?"] == "7" and questions["What is the capital of Egypt?"] == "cairo"
 
 
-COMPLETIONS = ["3 plus 4 is 7.", "3 plus 4 is 17.", "It is 7", "Seven.", "3 plus 4 is 7. 2 plus 2 is 4.",
-               [{"role": "assistant", "content": "The capital of Wenland is  Tarsk."}]]
+COMPLETIONS = [
+    "3 plus 4 is 7.",
+    "3 plus 4 is 17.",
+    "It is 7",
+    "Seven.",
+    "3 plus 4 is 7. 2 plus 2 is 4.",
+    [{"role": "assistant", "content": "The capital of Wenland is  Tarsk."}],
+]
 
 
 def test_correct_answer_compares_the_last_is_phrase_with_the_reference():
@@ -249,14 +328,30 @@ def test_reward_flags_choose_the_functions_and_trl_weights(tmp_path, monkeypatch
     functions, weights = reward_functions(RewardArguments())
     assert [trl.trainer.utils.get_callable_name(f) for f in functions] == ["correct_answer", "format_followed"]
     assert weights == [1.0, 0.5]
-    (tmp_path / "my_rewards.py").write_text("def always_one(completions, **kwargs):\n"
-                                            "    return [1.0] * len(completions)\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def always_one(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    functions, weights = reward_functions(RewardArguments(
-        correct_weight=2.0, format_weight=0.0, length_weight=0.25, length_max_tokens=4, repetition_weight=0.5,
-        reward=["my_rewards:always_one"], reward_weight=3.0, reward_model="some/dir", reward_model_weight=0.1))
-    assert [f if isinstance(f, str) else trl.trainer.utils.get_callable_name(f) for f in functions] == \
-        ["correct_answer", "length_penalty", "repetition_penalty", "always_one", "some/dir"]
+    functions, weights = reward_functions(
+        RewardArguments(
+            correct_weight=2.0,
+            format_weight=0.0,
+            length_weight=0.25,
+            length_max_tokens=4,
+            repetition_weight=0.5,
+            reward=["my_rewards:always_one"],
+            reward_weight=3.0,
+            reward_model="some/dir",
+            reward_model_weight=0.1,
+        )
+    )
+    assert [f if isinstance(f, str) else trl.trainer.utils.get_callable_name(f) for f in functions] == [
+        "correct_answer",
+        "length_penalty",
+        "repetition_penalty",
+        "always_one",
+        "some/dir",
+    ]
     assert weights == [2.0, 0.25, 0.5, 3.0, 0.1]
     assert functions[1](["x"], [[0] * 6]) == [-0.5]  # the flag's max_tokens reached the function
     assert functions[3](["x", "y"]) == [1.0, 1.0]
@@ -272,10 +367,20 @@ def test_reward_flags_choose_the_functions_and_trl_weights(tmp_path, monkeypatch
 # The minimind-grpo command
 # --------------------------------------------------------------------------------------------------------------
 
-TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-              "--num_key_value_heads", "2", "--intermediate_size", "96"]
+TINY_MODEL = [
+    "--hidden_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--num_attention_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "96",
+]
 # Module-level state in a reward module is how a user's reward function can record what it saw.
-REWARD_MODULE = '''
+REWARD_MODULE = """
 SEEN = []
 
 
@@ -286,7 +391,7 @@ def recorded(prompts, completions, completion_ids, answer, **kwargs):
 
 def lower_half_share(completions, completion_ids, **kwargs):
     return [sum(token < 3200 for token in ids) / max(1, len(ids)) for ids in completion_ids]
-'''
+"""
 
 
 @pytest.fixture
@@ -309,10 +414,31 @@ def grpo_command(tmp_path, *flags):
 
         with open(BUNDLED_DATA["sft"], encoding="utf-8") as bundled:
             chats.write_text("".join(next(bundled) for _ in range(200)), encoding="utf-8")
-    return load_script("grpo").main([
-        "--output_dir", str(tmp_path / "grpo"), "--data_path", str(chats), "--per_device_train_batch_size", "8",
-        "--num_generations", "4", "--max_completion_length", "8", "--save_strategy", "no", "--report_to", "none",
-        "--disable_tqdm", "true", "--seed", "0", "--use_cpu", "true", *flags])
+    return load_script("grpo").main(
+        [
+            "--output_dir",
+            str(tmp_path / "grpo"),
+            "--data_path",
+            str(chats),
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--save_strategy",
+            "no",
+            "--report_to",
+            "none",
+            "--disable_tqdm",
+            "true",
+            "--seed",
+            "0",
+            "--use_cpu",
+            "true",
+            *flags,
+        ]
+    )
 
 
 def test_grpo_command_adds_a_reward_function_and_a_reward_model(tmp_path, reward_module):
@@ -327,25 +453,55 @@ def test_grpo_command_adds_a_reward_function_and_a_reward_model(tmp_path, reward
     from conftest import TOKENIZER_DIR, TOKENIZER_FILES
 
     torch.manual_seed(0)
-    judge = Qwen3ForSequenceClassification(Qwen3Config(
-        vocab_size=6400, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=0)).eval()
+    judge = Qwen3ForSequenceClassification(
+        Qwen3Config(
+            vocab_size=6400,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_labels=1,
+            pad_token_id=0,
+        )
+    ).eval()
     judge.save_pretrained(tmp_path / "judge")
     for name in TOKENIZER_FILES:
         shutil.copy(f"{TOKENIZER_DIR}/{name}", tmp_path / "judge")
-    trainer, metrics = grpo_command(tmp_path, *TINY_MODEL, "--max_steps", "1", "--reward",
-                                    "grpo_test_rewards:recorded", "--reward_weight", "0.5",
-                                    "--reward_model", str(tmp_path / "judge"), "--reward_model_weight", "2")
+    trainer, metrics = grpo_command(
+        tmp_path,
+        *TINY_MODEL,
+        "--max_steps",
+        "1",
+        "--reward",
+        "grpo_test_rewards:recorded",
+        "--reward_weight",
+        "0.5",
+        "--reward_model",
+        str(tmp_path / "judge"),
+        "--reward_model_weight",
+        "2",
+    )
     assert trainer.state.global_step == 1
     assert trainer.reward_func_names == ["correct_answer", "format_followed", "recorded", "judge"]
     assert trainer.reward_weights.tolist() == [1.0, 0.5, 0.5, 2.0]
-    (prompts, completions, completion_ids, answers), = reward_module.SEEN
+    ((prompts, completions, completion_ids, answers),) = reward_module.SEEN
     assert len(completions) == 8 and all(len(ids) <= 8 for ids in completion_ids) and len(answers) == 8
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "judge")
     with torch.no_grad():
-        scores = [judge(**tokenizer(apply_chat_template({"messages": p + c}, tokenizer)["text"], return_tensors="pt",
-                                    add_special_tokens=False)).logits[0, 0].item()
-                  for p, c in zip(prompts, completions)]
+        scores = [
+            judge(
+                **tokenizer(
+                    apply_chat_template({"messages": p + c}, tokenizer)["text"],
+                    return_tensors="pt",
+                    add_special_tokens=False,
+                )
+            )
+            .logits[0, 0]
+            .item()
+            for p, c in zip(prompts, completions)
+        ]
     logged = next(entry for entry in trainer.state.log_history if "rewards/judge/mean" in entry)
     assert logged["rewards/judge/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-5)
     assert logged["rewards/recorded/mean"] == 0.0
@@ -358,8 +514,9 @@ def test_grpo_command_with_a_kl_term_starts_from_a_saved_model(tmp_path):
     """TRL reloads the KL reference from the policy's path: a saved model has one and logs a KL (0 at step 1, the
     policy still equal to the reference); a new model built from size flags is refused before anything is built."""
     model_dir(tmp_path / "model", std=0.02)
-    trainer, _ = grpo_command(tmp_path, "--model_name_or_path", str(tmp_path / "model"), "--beta", "0.04",
-                              "--max_steps", "1")
+    trainer, _ = grpo_command(
+        tmp_path, "--model_name_or_path", str(tmp_path / "model"), "--beta", "0.04", "--max_steps", "1"
+    )
     assert type(trainer.ref_model).__name__ == "MiniMindForCausalLM"
     assert next(e["kl"] for e in trainer.state.log_history if "kl" in e) == pytest.approx(0.0, abs=1e-6)
     with pytest.raises(ValueError, match="--beta needs a reference model"):
@@ -371,10 +528,26 @@ def test_grpo_raises_the_mean_reward_from_a_fixed_seed(tmp_path, reward_module, 
     half of the vocabulary; an untrained model samples it at about 0.5): the last four steps' mean reward beats
     the first four's by more than 0.25 (measured: 0.48 -> 1.00; 6 s, up to 28 s on a busy machine)."""
     with torch_threads(1):
-        trainer, _ = grpo_command(tmp_path, *TINY_MODEL, "--max_steps", "16", "--correct_weight", "0",
-                                  "--format_weight", "0", "--reward", "grpo_test_rewards:lower_half_share",
-                                  "--per_device_train_batch_size", "16", "--num_generations", "8",
-                                  "--max_completion_length", "6", "--learning_rate", "5e-2")
+        trainer, _ = grpo_command(
+            tmp_path,
+            *TINY_MODEL,
+            "--max_steps",
+            "16",
+            "--correct_weight",
+            "0",
+            "--format_weight",
+            "0",
+            "--reward",
+            "grpo_test_rewards:lower_half_share",
+            "--per_device_train_batch_size",
+            "16",
+            "--num_generations",
+            "8",
+            "--max_completion_length",
+            "6",
+            "--learning_rate",
+            "5e-2",
+        )
     from minimind.rl import reward_curve
 
     rewards = [reward for _, reward in reward_curve(trainer.state.log_history)]

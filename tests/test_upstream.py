@@ -18,42 +18,87 @@ from minimind.convert import convert_upstream_directory
 
 # The tiny model as upstream would describe it; the MLP width is MiniMind2's rule for hidden 64:
 # 64 * ceil(int(64 * 8 / 3) / 64) = 192, which MiniMind's pi rule (256) would not give.
-TINY = dict(vocab_size=6400, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=256, rope_theta=10000.0)
+TINY = dict(
+    vocab_size=6400,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+)
 
 
 def current_config(model):
     """config.json as upstream's current MiniMindConfig writes it: MiniMind's field names, plus dropout and
     upstream's own auto_map and architectures."""
     c = model.config
-    return {"architectures": ["MiniMindForCausalLM"], "auto_map": {"AutoModelForCausalLM":
-            "model_minimind.MiniMindForCausalLM"}, "model_type": "minimind", "dtype": "float32",
-            "transformers_version": "4.57.1", "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
-            "use_moe": c.use_moe, "dropout": 0.0, "vocab_size": c.vocab_size, "bos_token_id": 1, "eos_token_id": 2,
-            "flash_attn": True, "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-            "intermediate_size": c.intermediate_size, "max_position_embeddings": c.max_position_embeddings,
-            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "tie_word_embeddings": c.tie_word_embeddings, "inference_rope_scaling": False, "rope_scaling": None,
-            "num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
-            "moe_intermediate_size": c.moe_intermediate_size, "norm_topk_prob": c.norm_topk_prob,
-            "router_aux_loss_coef": 5e-4}
+    return {
+        "architectures": ["MiniMindForCausalLM"],
+        "auto_map": {"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"},
+        "model_type": "minimind",
+        "dtype": "float32",
+        "transformers_version": "4.57.1",
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "use_moe": c.use_moe,
+        "dropout": 0.0,
+        "vocab_size": c.vocab_size,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "flash_attn": True,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "inference_rope_scaling": False,
+        "rope_scaling": None,
+        "num_experts": c.num_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "norm_topk_prob": c.norm_topk_prob,
+        "router_aux_loss_coef": 5e-4,
+    }
 
 
 def minimind2_config(model, n_shared_experts=0):
     """config.json as MiniMind2's config writes it: intermediate_size null, no head_dim, n_routed_experts,
     aux_loss_alpha, scoring_func, seq_aux, n_shared_experts."""
     c = model.config
-    return {"architectures": ["MiniMindForCausalLM"], "model_type": "minimind", "torch_dtype": "float32",
-            "transformers_version": "4.48.0", "dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-            "hidden_act": "silu", "hidden_size": c.hidden_size, "intermediate_size": None,
-            "max_position_embeddings": c.max_position_embeddings, "num_attention_heads": c.num_attention_heads,
-            "num_hidden_layers": c.num_hidden_layers, "num_key_value_heads": c.num_key_value_heads,
-            "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-            "inference_rope_scaling": False, "flash_attn": True, "use_moe": c.use_moe,
-            "num_experts_per_tok": c.num_experts_per_tok, "n_routed_experts": c.num_experts,
-            "n_shared_experts": n_shared_experts, "scoring_func": "softmax", "aux_loss_alpha": 0.01, "seq_aux": True,
-            "norm_topk_prob": True}
+    return {
+        "architectures": ["MiniMindForCausalLM"],
+        "model_type": "minimind",
+        "torch_dtype": "float32",
+        "transformers_version": "4.48.0",
+        "dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": None,
+        "max_position_embeddings": c.max_position_embeddings,
+        "num_attention_heads": c.num_attention_heads,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_key_value_heads": c.num_key_value_heads,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "inference_rope_scaling": False,
+        "flash_attn": True,
+        "use_moe": c.use_moe,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "n_routed_experts": c.num_experts,
+        "n_shared_experts": n_shared_experts,
+        "scoring_func": "softmax",
+        "aux_loss_alpha": 0.01,
+        "seq_aux": True,
+        "norm_topk_prob": True,
+    }
 
 
 def upstream_dir(path, model, config, head_name_only=False, dtype=None, tokenizer=True):
@@ -81,8 +126,9 @@ def logits(model, ids):
 IDS = torch.randint(0, 6400, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("layout, moe", [("current", False), ("current", True), ("minimind2", False),
-                                         ("minimind2", True)])
+@pytest.mark.parametrize(
+    "layout, moe", [("current", False), ("current", True), ("minimind2", False), ("minimind2", True)]
+)
 def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe):
     """Each layout, dense and MoE (top-2, experts narrower than the dense width), converts to a directory whose
     reload through AutoModelForCausalLM gives the source model's logits bit for bit."""
@@ -111,8 +157,16 @@ def test_minimind2_top1_router_keeps_the_probability(tmp_path):
     """MiniMind2 renormalises the top-k weights only for k > 1: a top-1 expert's output is scaled by its router
     probability. The import turns norm_topk_prob off for such a checkpoint, and the converted MoE layer equals
     a per-token reference of that rule."""
-    source = tiny_model(std=0.3, intermediate_size=192, qk_norm=False, use_moe=True, num_experts=4,
-                        num_experts_per_tok=1, norm_topk_prob=False, **TINY)
+    source = tiny_model(
+        std=0.3,
+        intermediate_size=192,
+        qk_norm=False,
+        use_moe=True,
+        num_experts=4,
+        num_experts_per_tok=1,
+        norm_topk_prob=False,
+        **TINY,
+    )
     upstream = upstream_dir(tmp_path / "upstream", source, minimind2_config(source))
     converted = convert_upstream_directory(upstream, tmp_path / "out")
     assert converted.config.norm_topk_prob is False
@@ -122,8 +176,9 @@ def test_minimind2_top1_router_keeps_the_probability(tmp_path):
         probs = torch.softmax(x @ mlp.gate.weight.T, dim=-1)
         expected = torch.stack([probs[t].max() * mlp.experts[int(probs[t].argmax())](x[t]) for t in range(7)])
         torch.testing.assert_close(mlp(x[None])[0], expected, rtol=1e-4, atol=1e-5)
-        assert not torch.allclose(mlp(x[None])[0], torch.stack([mlp.experts[int(probs[t].argmax())](x[t])
-                                                                for t in range(7)]))
+        assert not torch.allclose(
+            mlp(x[None])[0], torch.stack([mlp.experts[int(probs[t].argmax())](x[t]) for t in range(7)])
+        )
     assert torch.equal(logits(converted, IDS), logits(source, IDS))
 
 
@@ -154,8 +209,9 @@ def test_refusals_name_the_problem_and_the_fix(tmp_path):
 
     dense = tiny_model(intermediate_size=96, **TINY)
     bare = upstream_dir(tmp_path / "bare", dense, current_config(dense), tokenizer=False)
-    with pytest.raises(ValueError, match="only useful with the tokenizer it was trained with. Fix: pass "
-                                         "--tokenizer_name_or_path"):
+    with pytest.raises(
+        ValueError, match="only useful with the tokenizer it was trained with. Fix: pass --tokenizer_name_or_path"
+    ):
         convert_upstream_directory(bare, tmp_path / "out")
     convert_upstream_directory(bare, tmp_path / "out", tokenizer_name_or_path=TOKENIZER_DIR)  # named: fine
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, TOKENIZER_DIR, TOKENIZER_FILES, load_script, model_dir, tiny_model
 
+from conftest import ROOT, TOKENIZER_DIR, TOKENIZER_FILES, load_script, model_dir, tiny_model
 from minimind.chat import SamplingParams, chat_prompt_ids, load_model_and_tokenizer
 from minimind.web import THINKING_TITLE, conversation, reply_messages, stream_reply
 
@@ -22,18 +22,24 @@ CHROMIUM = "/usr/bin/chromium"
 # The message helpers
 # --------------------------------------------------------------------------------------------------------------
 
+
 def test_reply_with_reasoning_is_a_folded_thought_then_the_answer():
     reply = "<think>\nThree plus four: count on from three.\n</think>\n\nIt is 7."
     assert reply_messages(reply) == [
-        {"role": "assistant", "content": "Three plus four: count on from three.",
-         "metadata": {"title": THINKING_TITLE, "status": "done"}},
-        {"role": "assistant", "content": "It is 7."}]
+        {
+            "role": "assistant",
+            "content": "Three plus four: count on from three.",
+            "metadata": {"title": THINKING_TITLE, "status": "done"},
+        },
+        {"role": "assistant", "content": "It is 7."},
+    ]
 
 
 def test_streaming_reasoning_stays_open_until_the_answer_starts():
     thinking = reply_messages("<think>\nCount on", finished=False)
-    assert thinking == [{"role": "assistant", "content": "Count on",
-                         "metadata": {"title": THINKING_TITLE, "status": "pending"}}]
+    assert thinking == [
+        {"role": "assistant", "content": "Count on", "metadata": {"title": THINKING_TITLE, "status": "pending"}}
+    ]
     answering = reply_messages("<think>\nCount on\n</think>\n\nIt", finished=False)
     assert [m.get("metadata", {}).get("status") for m in answering] == ["done", None]
     assert answering[1]["content"] == "It"
@@ -69,13 +75,15 @@ def test_conversation_from_page_history_keeps_reasoning_and_adds_the_system_prom
         {"role": "assistant", "content": "Hello."},
         {"role": "user", "content": "Think long"},
         {"role": "assistant", "content": "", "reasoning_content": "First"},
-        {"role": "user", "content": "And 2 plus 2?"}]
+        {"role": "user", "content": "And 2 plus 2?"},
+    ]
     assert conversation([], "Hi", "  ") == [{"role": "user", "content": "Hi"}]
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The streamed reply against greedy generate
 # --------------------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory):
@@ -88,9 +96,14 @@ def greedy_reply(path, messages, max_new_tokens, **template_kwargs):
     """What the page must show: `generate` with greedy decoding, the new tokens decoded as the stream decodes."""
     model, tokenizer = load_model_and_tokenizer(path, device="cpu")
     prompt = torch.tensor([chat_prompt_ids(tokenizer, messages, **template_kwargs)])
-    output = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                            max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(output[0, prompt.shape[1]:], skip_special_tokens=True)
+    output = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)
 
 
 def test_stream_reply_ends_with_the_greedy_reply(chat_model_dir):
@@ -163,14 +176,17 @@ def thinking_model_dir(tmp_path_factory):
 
 
 def test_scripted_model_thinks_then_answers(thinking_model_dir):
-    for messages in ([{"role": "user", "content": "hi"}],
-                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What now?"}]):
+    for messages in (
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What now?"}],
+    ):
         assert greedy_reply(thinking_model_dir, messages, 32) == f"<think>{REASONING}</think>{ANSWER}"
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The page in a browser
 # --------------------------------------------------------------------------------------------------------------
+
 
 def browser_missing():
     """Why the browser test cannot run here, or None."""
@@ -190,16 +206,40 @@ def test_web_command_starts_the_page_with_its_flags(chat_model_dir, thinking_mod
 
     launched = []
     monkeypatch.setattr(minimind.web, "launch", lambda app, host, port, auth: launched.append((app, host, port, auth)))
-    app = load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--model_name_or_path",
-                                        thinking_model_dir, "--port", "7999", "--temperature",
-                                        "0", "--top_p", "0.8", "--max_new_tokens", "33", "--system_prompt", "Be brief.",
-                                        "--no-enable_thinking", "--auth", "me:pass:word"])
+    app = load_script("web_demo").main(
+        [
+            "--model_name_or_path",
+            chat_model_dir,
+            "--model_name_or_path",
+            thinking_model_dir,
+            "--port",
+            "7999",
+            "--temperature",
+            "0",
+            "--top_p",
+            "0.8",
+            "--max_new_tokens",
+            "33",
+            "--system_prompt",
+            "Be brief.",
+            "--no-enable_thinking",
+            "--auth",
+            "me:pass:word",
+        ]
+    )
     assert launched == [(app, "127.0.0.1", 7999, ("me", "pass:word"))]
     values = {block.label: block.value for block in app.blocks.values() if getattr(block, "label", None)}
-    assert {label: values[label] for label in ("Model", "System prompt", "Let the model think",
-                                               "Temperature", "Top-p", "Max new tokens")} == {
-        "Model": "web-model0", "System prompt": "Be brief.", "Let the model think": False,
-        "Temperature": 0, "Top-p": 0.8, "Max new tokens": 33}
+    assert {
+        label: values[label]
+        for label in ("Model", "System prompt", "Let the model think", "Temperature", "Top-p", "Max new tokens")
+    } == {
+        "Model": "web-model0",
+        "System prompt": "Be brief.",
+        "Let the model think": False,
+        "Temperature": 0,
+        "Top-p": 0.8,
+        "Max new tokens": 33,
+    }
     model_box = next(block for block in app.blocks.values() if getattr(block, "label", None) == "Model")
     assert [value for _, value in model_box.choices] == ["web-model0", "web-thinking-model0"]
     assert "warning" not in capsys.readouterr().err  # loopback: no warning
@@ -211,10 +251,20 @@ def test_web_command_on_an_open_host_warns_without_auth(chat_model_dir, monkeypa
     import minimind.web
 
     monkeypatch.setattr(minimind.web, "launch", lambda app, host, port, auth: None)
-    load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--host", "0.0.0.0", "--no-compile",
-                                  *(["--auth", auth] if auth else [])])
-    warning = ("warning: the page is served on 0.0.0.0:7860 without --auth: anyone who can reach this port can chat "
-               "with the model; pass --auth USER:PASSWORD")
+    load_script("web_demo").main(
+        [
+            "--model_name_or_path",
+            chat_model_dir,
+            "--host",
+            "0.0.0.0",
+            "--no-compile",
+            *(["--auth", auth] if auth else []),
+        ]
+    )
+    warning = (
+        "warning: the page is served on 0.0.0.0:7860 without --auth: anyone who can reach this port can chat "
+        "with the model; pass --auth USER:PASSWORD"
+    )
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert warnings == ([warning] if warned else [])
 
@@ -229,9 +279,9 @@ def test_web_command_refuses_an_auth_without_user_and_password(chat_model_dir, c
 
 def test_page_endpoints_refuse_any_path_and_run_no_code_from_it(chat_model_dir, tmp_path):
     pytest.importorskip("gradio")
-    from conftest import plant_code_dir
     from gradio_client import Client
 
+    from conftest import plant_code_dir
     from minimind.web import build_app
 
     marker = plant_code_dir(tmp_path / "planted")
@@ -252,8 +302,7 @@ def test_page_endpoints_refuse_any_path_and_run_no_code_from_it(chat_model_dir, 
     assert not marker.exists()
 
 
-def test_page_names_no_server_path_when_a_model_cannot_be_loaded(chat_model_dir, thinking_model_dir, tmp_path,
-                                                                  caplog):
+def test_page_names_no_server_path_when_a_model_cannot_be_loaded(chat_model_dir, thinking_model_dir, tmp_path, caplog):
     from minimind.web import LoadedModel, UnknownModel, model_choices
 
     copy = tmp_path / "copy"
@@ -281,9 +330,23 @@ def start_page(model_path, port, *extra_args):
     import urllib.request
 
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    process = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "web_demo.py"),
-                                "--model_name_or_path", model_path, "--port", str(port), "--device", "cpu",
-                                *extra_args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "web_demo.py"),
+            "--model_name_or_path",
+            model_path,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            *extra_args,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -307,7 +370,9 @@ def send(page, message, replies_before):
         """n => document.querySelectorAll('[data-testid=user]').length === n + 1
                && document.querySelector('button[aria-label=Retry]') !== null
                && document.querySelector('[data-testid=stop-button]') === null""",
-        arg=replies_before, timeout=90_000)  # the first reply waits for the decode step to compile
+        arg=replies_before,
+        timeout=90_000,
+    )  # the first reply waits for the decode step to compile
 
 
 def bot_texts(page):
@@ -327,8 +392,14 @@ def test_page_in_browser_streams_greedy_replies_and_folds_thinking(chat_model_di
     from playwright.sync_api import expect, sync_playwright
 
     port, max_new_tokens = free_port(), 12
-    process = start_page(chat_model_dir, port, "--max_new_tokens", str(max_new_tokens),  # temperature 0.7
-                         "--model_name_or_path", thinking_model_dir)
+    process = start_page(
+        chat_model_dir,
+        port,
+        "--max_new_tokens",
+        str(max_new_tokens),  # temperature 0.7
+        "--model_name_or_path",
+        thinking_model_dir,
+    )
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -344,9 +415,15 @@ def test_page_in_browser_streams_greedy_replies_and_folds_thinking(chat_model_di
             assert_bot_texts(page, [first.strip()])
             # The second reply answers the whole conversation as the page shows it: the first reply stripped.
             send(page, "and then?", 1)
-            second = greedy_reply(chat_model_dir, [{"role": "user", "content": "hello"},
-                                                   {"role": "assistant", "content": first.strip()},
-                                                   {"role": "user", "content": "and then?"}], max_new_tokens)
+            second = greedy_reply(
+                chat_model_dir,
+                [
+                    {"role": "user", "content": "hello"},
+                    {"role": "assistant", "content": first.strip()},
+                    {"role": "user", "content": "and then?"},
+                ],
+                max_new_tokens,
+            )
             assert second != first
             assert_bot_texts(page, [first.strip(), second.strip()])
 

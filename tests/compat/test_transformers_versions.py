@@ -10,9 +10,9 @@ import sys
 
 import pytest
 import torch
-import transformers
-from conftest import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+from conftest import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_cached_generation_equals_uncached(reloaded, cache_implementation):
     uncached = reloaded.generate(prompt(), use_cache=False, **kwargs)
     cached = reloaded.generate(prompt(), use_cache=True, cache_implementation=cache_implementation, **kwargs)
     assert cached.tolist() == uncached.tolist()
-    assert len(set(cached[0, prompt().shape[1]:].tolist())) > 1  # a degenerate repeat would prove little
+    assert len(set(cached[0, prompt().shape[1] :].tolist())) > 1  # a degenerate repeat would prove little
 
 
 def test_left_padded_batch_generates_like_single_prompts(reloaded):
@@ -66,8 +66,17 @@ def test_left_padded_batch_generates_like_single_prompts(reloaded):
 
 
 def training_args(output_dir, **overrides):
-    args = dict(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
-                report_to=[], save_strategy="no", logging_steps=1, use_cpu=True, disable_tqdm=True)
+    args = dict(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     # Later 5.x releases renamed gradient checkpointing to activation checkpointing (the old names still work, with
     # a warning). transformers 4.x defaults to reentrant checkpointing, which gives frozen-base LoRA no gradients.
     fields = TrainingArguments.__dataclass_fields__
@@ -96,8 +105,12 @@ def test_lora_trains_saves_and_reloads(checkpoint, tmp_path):
     peft = pytest.importorskip("peft")
     path = checkpoint[0]
     base = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
-    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     init_lora_weights=False, task_type="CAUSAL_LM"))
+    lora = peft.get_peft_model(
+        base,
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"
+        ),
+    )
     attention = base.model.layers[0].self_attn
     frozen, adapter = attention.q_proj.base_layer.weight.detach().clone(), attention.q_proj.lora_A["default"]
     adapter_before = adapter.weight.detach().clone()
