@@ -6,7 +6,7 @@
 #   make gpu-check               # a GPU machine with this package installed
 #   bash scripts/gpu_check.sh    # also a bare CUDA image with torch and transformers: the repo root goes on
 #                                # PYTHONPATH and nothing is installed
-#   DEVICE=cpu QUICK=1 bash scripts/gpu_check.sh   # rehearses the whole script on the CPU at toy sizes
+#   DEVICE=cpu QUICK=1 bash scripts/gpu_check.sh   # runs the whole script on the CPU at toy sizes, as a check
 #
 # Results land in $OUT (default runs/gpu-check): env.txt, tests.txt, benchmarks-<device>.md, benchmark.log (the
 # per-row lines and the profiles), and benchmarks-<device>-fa2.md / fa2.log. Every stage has its own time

@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Generate MiniMind's bundled training corpus deterministically.
 
-Nothing can be downloaded here, so the corpus is built from templates and
-small word lists: short stories, simple facts (arithmetic, colours, animals,
+The corpus needs no download: it is built from templates and small word lists: short stories, simple facts (arithmetic, colours, animals,
 days, months, capitals, shapes, opposites, jobs) and chats that ask about
 the same facts.  Every answer in the SFT and DPO files is consistent with the
 pretraining text, so a tiny model trained for a few CPU minutes gives

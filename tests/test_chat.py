@@ -285,3 +285,17 @@ def test_top_p_restricts_sampling_to_the_most_likely_tokens(model_and_tokenizer,
     # A nucleus this small holds the most likely token alone: every seed gives the greedy reply.
     assert replies(SamplingParams(max_new_tokens=3, temperature=1.5, top_p=1e-6)) == greedy
     assert len(replies(SamplingParams(max_new_tokens=3, temperature=1.5, top_p=1.0))) >= 6
+
+
+@pytest.mark.parametrize("flags, notice", [([], True), (["--no-compile"], False)])
+def test_chat_command_says_once_that_the_first_reply_compiles(chat_model_dir, monkeypatch, capsys, flags, notice):
+    import io
+
+    from conftest import decode_uncompiled
+
+    from minimind import cli
+
+    decode_uncompiled(monkeypatch)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAgain\n"))
+    cli.chat(["--model_name_or_path", chat_model_dir, "--max_new_tokens", "2", "--device", "cpu", *flags])
+    assert capsys.readouterr().err.count(cli.COMPILE_NOTICE) == (1 if notice else 0)

@@ -352,3 +352,24 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
 @pytest.mark.parametrize("program, argv", COMMANDS, ids=[f"{p} {' '.join(a)}"[:80] for p, a in COMMANDS])
 def test_documented_command_runs(program, argv, in_workspace, monkeypatch, capfd):
     run_command(program, argv, in_workspace, monkeypatch, capfd)
+
+
+def test_every_documented_model_path_is_written_by_the_demo_or_a_command_shown_before_it():
+    """A model directory that README.md or docs/ pass to a command is one `make demo` writes or one an earlier
+    documented command writes (its --output_dir), so a reader who runs them in order finds every path."""
+    import minimind.demo
+
+    demo_dir = re.search(r"--output_dir (\S+)", Path(ROOT, "Makefile").read_text()).group(1)
+    assert minimind.demo.DemoSettings().output_dir == demo_dir
+    written = {f"{demo_dir}/pretrain", f"{demo_dir}/sft"}
+    unwritten = []
+    for program, argv in COMMANDS:
+        for flag in ("--model_name_or_path", "--teacher_name_or_path"):
+            if flag not in argv or (program == "minimind-convert" and "upstream-hf" in argv):
+                continue  # an upstream directory to import is the reader's own
+            path = argv[argv.index(flag) + 1].rstrip("/")
+            if path not in written:
+                unwritten.append(f"{program} {flag} {path}")
+        if "--output_dir" in argv:
+            written.add(argv[argv.index("--output_dir") + 1].rstrip("/"))
+    assert not unwritten, f"paths that neither make demo nor an earlier documented command writes: {unwritten}"

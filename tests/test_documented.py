@@ -1,5 +1,5 @@
 """Behaviour that README.md and docs/*.md promise and no module's own test file pins down: the chat command's
-flags (docs/ecosystem-serve.md), upstream's `flash_attn` switch (README, Configuration), the corpus generator's
+flags (docs/ecosystem-serve.md), upstream's `flash_attn` switch (docs/model.md), the corpus generator's
 determinism (scripts/make_data.py, data/README.md) and the export refusing before it writes anything
 (docs/ecosystem-export.md)."""
 
@@ -225,7 +225,7 @@ def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_tok
 
 
 # ------------------------------------------------------------------------------------------------------
-# Upstream's flash_attn switch (README: True -> sdpa, False -> eager)
+# Upstream's flash_attn switch (docs/model.md: True -> sdpa, False -> eager)
 # ------------------------------------------------------------------------------------------------------
 
 
@@ -300,7 +300,7 @@ def test_export_refusal_writes_nothing(target, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------------
-# README, Training: "Every output directory is a complete model directory that from_pretrained(...) loads"
+# README, Train: every run writes "a complete model directory" that from_pretrained(..., trust_remote_code=True) loads
 # ------------------------------------------------------------------------------------------------------
 
 

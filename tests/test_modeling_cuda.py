@@ -2,8 +2,8 @@
 step that skips the token-id check off the CPU, host syncs, torch.compile of a static-cache decode,
 flash-attention 2).
 
-Skipped without a GPU. `MINIMIND_TEST_DEVICE=cpu` runs them on the CPU instead, to rehearse them before a GPU
-is at hand; `scripts/gpu_check.sh` runs them on one.
+Skipped without a GPU. `MINIMIND_TEST_DEVICE=cpu` runs them on the CPU instead, to check the tests themselves
+before a GPU is at hand; `scripts/gpu_check.sh` runs them on one.
 """
 
 import os
@@ -17,7 +17,7 @@ from minimind.export import to_qwen3_model
 
 DEVICE = os.environ.get("MINIMIND_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
 pytestmark = pytest.mark.skipif(
-    DEVICE is None, reason="needs a CUDA GPU (MINIMIND_TEST_DEVICE=cpu rehearses these tests on the CPU)"
+    DEVICE is None, reason="needs a CUDA GPU (MINIMIND_TEST_DEVICE=cpu runs these tests on the CPU)"
 )
 ON_CUDA = DEVICE is not None and DEVICE.startswith("cuda")
 MOE = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, num_hidden_layers=3, mlp_only_layers=[1])
