@@ -51,8 +51,9 @@ test-llama-cpp:
 test-transformers-common:
 	PYTHON=$(PYTHON) bash .ci/transformers-common.sh
 
+# The measurement lab (bench/, not installed): the main table against Qwen3 into docs/results.md.
 bench:
-	$(PYTHON) scripts/benchmark.py
+	$(PYTHON) -m bench
 
 # Everything that needs a CUDA GPU (tests, benchmark, profiles) in one run of at most ~8 minutes; not part of CI.
 gpu-check:
@@ -63,7 +64,8 @@ gpu-check:
 # run whatever is edited meanwhile, and mutants/ never lands in the checkout. MUTATE_SAMPLE mutants per module are
 # drawn at random with MUTATE_SEED (0: every mutant, hours on 2 cores); `mutmut results` in .cache/mutmut lists the
 # survivors and `mutmut show NAME` shows one. docs/testing.md has the scores.
-MUTATE_MODULES ?= data training export chat
+MUTATE_MODULES ?= data training/arguments training/model training/saving training/checkpoints training/trainers \
+	training/curves training/recipes export chat
 MUTATE_SAMPLE ?= 30
 MUTATE_SEED ?= 20261130
 MUTATE_JOBS ?= 1

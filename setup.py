@@ -21,7 +21,6 @@ COMMANDS = {
     "push": "push_to_hub",
     "convert": "convert",
     "train-tokenizer": "train_tokenizer",
-    "benchmark": "benchmark",
     "eval": "evaluate",
     "web": "web",
 }
@@ -47,6 +46,7 @@ setup(
         "datasets>=3.0",
         "peft>=0.17",
         "trl>=1.16",
+        "matplotlib>=3.8",  # every training run's loss plot, shown in the model card
     ],
     extras_require={
         "export": ["gguf>=0.19"],
@@ -59,8 +59,10 @@ setup(
         # playwright drives the system's chromium (apt install chromium) in the web page's browser test
         # pytest-xdist: `make test` runs the suite in two worker processes (PYTEST_WORKERS)
         # ruff: `make test` checks lint and format first; pinned so that every machine formats alike
+        # tensorboard: the `--report_to tensorboard` test
         "dev": [
             "ruff==0.17.6",
+            "tensorboard>=2.15",
             "pytest>=8",
             "pytest-xdist>=3.5",
             "gguf>=0.19",

@@ -173,6 +173,12 @@ def _add_model_flags(parser):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
 
 
+COMPILE_NOTICE = (
+    "the first reply compiles the decode step for this model (10-60 s on a CPU) before it starts streaming; "
+    "--no-compile answers at once, decoding more slowly"
+)
+
+
 def _add_decode_flags(parser):
     parser.add_argument(
         "--compile",
@@ -227,6 +233,7 @@ def chat(argv=None):
         from minimind.decode import CompiledDecoder
 
         decoder = CompiledDecoder(model)
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
     params = engine.SamplingParams(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -446,6 +453,8 @@ def web(argv=None):
         compile=args.compile,
         int8=args.int8,
     )
+    if args.compile:
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
     page.launch(app, host=args.host, port=args.port, auth=(user, password) if args.auth else None)
     return app
 
@@ -704,7 +713,7 @@ def convert(argv=None):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Tokenizer and benchmark
+# Tokenizer
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -743,87 +752,3 @@ def train_tokenizer(argv=None):
     )
     print(f"saved tokenizer with {len(tokenizer)} tokens to {args.output_dir}")
     return tokenizer
-
-
-@command
-def benchmark(argv=None):
-    """Benchmark MiniMind against transformers' Qwen3 / Qwen3-MoE (same weights, same run) and write the table.
-
-    minimind-benchmark                       # full run (about 10 minutes on 2 CPU cores)
-    minimind-benchmark --quick --output /tmp/bench.md
-    minimind-benchmark --rows 'decode-*' --device cuda
-    minimind-benchmark --table peers         # llama.cpp on our GGUF export, padded vs padding-free SFT
-    """
-    import os
-
-    import torch
-
-    from minimind.benchmark import TABLES, BenchmarkSettings, peers_section_of, run_benchmark, splice_peers
-
-    parser = _parser(benchmark.__doc__)
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, one repeat: checks every code path")
-    parser.add_argument("--rows", nargs="*", default=[], help="row ids or glob patterns (default: all rows)")
-    parser.add_argument("--repeats", type=int, help="timed repeats per model (default 4, decode 2, quick 1)")
-    parser.add_argument("--warmup", type=int, help="untimed runs per model first (default 1, train 2)")
-    parser.add_argument(
-        "--compile",
-        default="auto",
-        choices=["auto", "on", "off"],
-        help="torch.compile the static-cache decode row (auto: on for cuda only)",
-    )
-    parser.add_argument("--attn", default="sdpa", help="attention kernel for both models, e.g. flash_attention_2")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    parser.add_argument(
-        "--profile",
-        nargs="*",
-        default=[],
-        help="row ids or glob patterns: print torch.profiler's op table for ours and native",
-    )
-    parser.add_argument(
-        "--table",
-        default="main",
-        choices=TABLES,
-        help="main: vs transformers' Qwen3; peers: llama.cpp on the GGUF export and padded vs "
-        "padding-free SFT (CPU), its section replacing the output file's '## Peers'; all: both",
-    )
-    parser.add_argument("--output", default="docs/benchmarks.md", help="markdown file to write ('-' = none)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings = BenchmarkSettings(
-        device=args.device,
-        quick=args.quick,
-        rows=args.rows,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        compile=args.compile,
-        attn_implementation=args.attn,
-        profile=args.profile,
-        table=args.table,
-        command=" ".join(["minimind-benchmark", *(argv or sys.argv[1:])]),
-    )
-    previous = ""
-    if args.output != "-" and os.path.exists(args.output):
-        with open(args.output) as existing:
-            previous = existing.read()
-
-    def write(report):
-        if args.output == "-":
-            return
-        text = report.markdown()
-        # Each table rewrites only its own part of the file: the peers run its section, the main run the rest.
-        if args.table == "peers":
-            text = splice_peers(previous, text)
-        elif args.table == "main" and peers_section_of(previous):
-            text = text.rstrip("\n") + "\n\n" + peers_section_of(previous)
-        with open(args.output, "w") as out:
-            out.write(text)
-
-    # The file is rewritten after every row, so a run stopped early still leaves the rows it finished.
-    report = run_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True), on_row=write)
-    write(report)
-    print(report.table())
-    if args.output != "-":
-        print(f"wrote {args.output}", file=sys.stderr)
-    return report

@@ -109,7 +109,7 @@ def read_facts_task(path=FACTS_DATA):
 def task_manager(tasks, extra_include_paths=()):
     """lm-eval's TaskManager with the bundled task directory (and any other YAML directories) registered. lm-eval's
     own task catalogue is indexed only when a task outside those directories is asked for: indexing its
-    thousands of YAML files takes about 20 s."""
+    thousands of YAML files is slow."""
     from lm_eval.tasks import TaskManager
 
     include_path = [str(TASKS_DIR), *map(str, extra_include_paths)]

@@ -11,15 +11,18 @@ from pathlib import Path
 
 from minimind.errors import InputError
 from minimind.export import TOKENIZER_FILES
+from minimind.training.curves import LOSS_PLOT
 
 DEFAULT_LICENSE = "apache-2.0"
-# eval_results.* only where minimind-eval wrote them: its table also goes into the card.
+# eval_results.* only where minimind-eval wrote them: its table also goes into the card; likewise the loss plot
+# a training command leaves.
 _MODEL_FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors.index.json",
     "eval_results.json",
     "eval_results.md",
+    LOSS_PLOT,
 )
 # Shown in the card's configuration table, in this order.
 _CARD_CONFIG_FIELDS = (
@@ -161,7 +164,8 @@ def describe_training(model_dir):
             "Unknown: the published directory has no `trainer_state.json` or `training_args.json` "
             "recording how it was trained."
         )
-    return "Trained with the transformers `Trainer`:\n\n" + _markdown_table(rows)
+    plot = f"\n\n![Training and eval loss against steps]({LOSS_PLOT})" if (model_dir / LOSS_PLOT).is_file() else ""
+    return "Trained with the transformers `Trainer`:\n\n" + _markdown_table(rows) + plot
 
 
 def describe_evaluation(model_dir):

@@ -49,13 +49,13 @@ timeout 150 "$PY" -m pytest tests/test_modeling_cuda.py tests/test_modeling.py t
   -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || failed+=(tests)
 
 echo "== benchmark on $DEVICE, sdpa"
-timeout 270 "$PY" scripts/benchmark.py --device "$DEVICE" "${QUICK_FLAG[@]}" \
+timeout 270 "$PY" -m bench --device "$DEVICE" "${QUICK_FLAG[@]}" \
   --profile decode-dynamic-b1-64M decode-dynamic-b1-moe-top2 \
   --output "$OUT/benchmarks-$DEVICE.md" 2>"$OUT/benchmark.log" || failed+=(benchmark)
 
 if "$PY" -c "import flash_attn" 2>/dev/null; then
   echo "== benchmark on $DEVICE, flash_attention_2"
-  timeout 90 "$PY" scripts/benchmark.py --device "$DEVICE" "${QUICK_FLAG[@]}" --attn flash_attention_2 \
+  timeout 90 "$PY" -m bench --device "$DEVICE" "${QUICK_FLAG[@]}" --attn flash_attention_2 \
     --compile off --rows 'train-bf16-*' 'prefill-*' 'decode-dynamic-*' 'decode-static-b*' \
     --output "$OUT/benchmarks-$DEVICE-fa2.md" 2>"$OUT/fa2.log" || failed+=(flash_attention_2)
 fi

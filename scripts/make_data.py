@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Generate MiniMind's bundled training corpus deterministically.
 
-The corpus needs no download: it is built from templates and small word lists: short stories, simple facts (arithmetic, colours, animals,
-days, months, capitals, shapes, opposites, jobs) and chats that ask about
-the same facts.  Every answer in the SFT and DPO files is consistent with the
-pretraining text, so a tiny model trained for a few CPU minutes gives
-sensible demo replies.
+The corpus needs no download: it is built from templates and small word lists
+(short stories, simple facts (arithmetic, colours, animals, days, months,
+capitals, shapes, opposites, jobs) and chats that ask about the same facts).
+Every answer in the SFT and DPO files is consistent with the pretraining
+text, so a tiny model trained for a few CPU minutes gives sensible demo
+replies.
 
 Usage:
     python scripts/make_data.py                 # writes data/*.jsonl, seed 42 (sft_reasoning.jsonl too)

@@ -1,5 +1,6 @@
 """Shared test set-up: offline Hub, the repo root importable, tiny configs."""
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -22,12 +23,16 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads() // _WORKERS)))
 
 
+@contextlib.contextmanager
 def torch_threads(count):
     """A block with `count` intra-op threads. Tiny models gain nothing from a second thread, and on a loaded 2-core
     machine OpenMP threads spinning against other jobs make each step many times slower."""
-    from minimind.benchmark import intra_op_threads
-
-    return intra_op_threads(count)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def pytest_configure(config):

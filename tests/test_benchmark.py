@@ -1,20 +1,22 @@
 """The benchmark end to end in --quick mode (tiny shapes, one repeat): table structure, the identical-weights
 pairing and the KV-cache byte count. No timing is asserted: the machine is shared and noisy."""
 
+import glob
+import os
+import re
+import shlex
+
 import pytest
 import torch
 
-from conftest import load_script
-from minimind.benchmark import (
-    TABLE_COLUMNS,
-    BenchmarkSettings,
-    build_pair,
-    default_workloads,
-    matmul_params_per_token,
-    model_shapes,
-    run_benchmark,
-    select_workloads,
-)
+from bench import run_benchmark
+from bench.__main__ import main as bench_main
+from bench.__main__ import parser as bench_parser
+from bench.measure import cpu_features
+from bench.qwen3 import build_pair, matmul_params_per_token
+from bench.report import MAIN_TITLE, TABLE_COLUMNS
+from bench.workloads import BenchmarkSettings, default_workloads, model_shapes, select_workloads
+from conftest import ROOT
 
 
 def _table_rows(markdown):
@@ -25,8 +27,8 @@ def _table_rows(markdown):
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    output = tmp_path_factory.mktemp("bench") / "benchmarks.md"
-    load_script("benchmark").main(["--quick", "--device", "cpu", "--output", str(output)])
+    output = tmp_path_factory.mktemp("bench") / "results.md"
+    bench_main(["--quick", "--device", "cpu", "--output", str(output)])
     return output.read_text()
 
 
@@ -34,8 +36,13 @@ def test_quick_run_writes_every_row_with_machine_details(quick_run):
     header, body = _table_rows(quick_run)
     assert header == TABLE_COLUMNS
     assert [row[0] for row in body] == [w.row_id for w in default_workloads(quick=True, device_type="cpu")]
-    for key in ("- date:", "- device: cpu", "- cpu:", "- cores:", "- torch:", "- transformers:", "matmul ceiling"):
-        assert key in quick_run
+    # The machine once, at the top; then the table's section with what is particular to this run.
+    assert quick_run.startswith("# Benchmark results\n")
+    machine, main = quick_run.split("\n## Machine\n", 1)[1].split(f"\n## {MAIN_TITLE}\n", 1)
+    for key in ("- cpu:", "- cores:", "- cpu features:", "- torch:", "- transformers:", "- python:"):
+        assert machine.count(key) == 1 and key not in main
+    for key in ("- date:", "- device: cpu", "- torch threads:", "- run time:", "matmul ceiling"):
+        assert key in main
     for row in body:
         cells = dict(zip(header, row))
         if cells["verdict"] == "skipped":  # torch.compile is off on CPU unless asked for
@@ -97,3 +104,25 @@ def test_profile_logs_op_tables_and_a_partial_report_follows_each_row():
         "profile of prefill-512-64M, native",
     ]
     assert all("aten::mm" in p and "# of Calls" in p for p in profiles)
+
+
+def test_cpu_features_name_the_vector_and_matrix_extensions():
+    xeon = {"fma", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
+    assert cpu_features(xeon) == "AVX2, AVX-512 (bf16, VNNI), AMX (bf16, int8)"
+    assert cpu_features({"fma", "avx2", "avx512f"}) == "AVX2, AVX-512"
+    assert cpu_features({"fp", "asimd", "sve"}) == "NEON, SVE"
+    assert cpu_features({"sse4_2"}) == "none of AVX2, AVX-512, AMX, NEON, SVE"
+    assert cpu_features(set()) == "not read (no /proc/cpuinfo)"
+
+
+def test_documented_bench_commands_parse():
+    """Every `python -m bench ...` that README.md or docs/ show parses with the command's flags (tests/test_docs.py
+    runs the `minimind-*` commands; a full benchmark takes minutes, so these are parsed only)."""
+    shown = []
+    for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        with open(path, encoding="utf-8") as doc:
+            text = doc.read().replace("\\\n", " ")
+        shown += [shlex.split(rest) for rest in re.findall(r"python -m bench\b([^`\n|#]*)", text)]
+    assert ["--table", "peers"] in shown  # the docs show both tables
+    for argv in shown:
+        bench_parser().parse_args(argv)

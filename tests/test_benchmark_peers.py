@@ -1,4 +1,4 @@
-"""The peers table (`minimind-benchmark --table peers`) in --quick mode: llama.cpp on the project's GGUF export,
+"""The peers table (`python -m bench --table peers`) in --quick mode: llama.cpp on the project's GGUF export,
 MiniMind's generate, padded vs padding-free SFT. Checked with counts and byte totals, never timings."""
 
 import os
@@ -6,39 +6,37 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, TOKENIZER_DIR, load_script, tiny_model
-from minimind.benchmark import (
+from bench import run_benchmark
+from bench.__main__ import main as bench_main
+from bench.llama_cpp import gguf_matrix_bytes, llama_cpp_missing
+from bench.measure import amx_int8, machine_details, paired_ratio, time_in_rounds
+from bench.peers import (
     FP32_PRODUCTS,
+    PeerContext,
+    PreparedPeer,
+    decode_matrices,
+    int8_missing,
+    weight_bytes_per_token,
+)
+from bench.qwen3 import matmul_params_per_token
+from bench.report import MAIN_TITLE, PEER_COLUMNS, PeersReport, document, merge_results
+from bench.serve import serving_missing
+from bench.workloads import (
     PEER_BATCH,
-    PEER_COLUMNS,
     PEER_OUTTYPES,
     PEER_PROMPT,
     BenchmarkSettings,
-    PeerContext,
     PeerRow,
-    PeersReport,
     PeerWorkload,
-    PreparedPeer,
-    amx_int8,
-    decode_matrices,
-    gguf_matrix_bytes,
-    int8_missing,
-    llama_cpp_missing,
-    matmul_params_per_token,
-    paired_ratio,
     peer_workloads,
-    peers_section_of,
-    run_benchmark,
     select_workloads,
-    serving_missing,
-    splice_peers,
-    time_in_rounds,
-    weight_bytes_per_token,
 )
+from conftest import ROOT, TOKENIZER_DIR, tiny_model
 from minimind.data import build_dataset
 from minimind.decode import fp32_product_kernel
 
-MAIN_PART = "# MiniMind vs transformers' Qwen3 / Qwen3-MoE\n\n## Results\n\n| row |\n|---|\n| kept |\n"
+MAIN_SECTION = f"## {MAIN_TITLE}\n\n| row |\n|---|\n| kept |\n"
+HAND_SECTION = "## Notes\n\nwritten by hand\n"
 
 
 def _table(markdown):
@@ -49,21 +47,24 @@ def _table(markdown):
 
 @pytest.fixture(scope="module")
 def peers_run(tmp_path_factory):
-    """The command as a user runs it, into a file that already holds the main table."""
-    output = tmp_path_factory.mktemp("peers") / "benchmarks.md"
-    output.write_text(MAIN_PART)
-    report = load_script("benchmark").main(["--quick", "--device", "cpu", "--table", "peers", "--output", str(output)])
+    """The command as a user runs it, into a file that already holds the main table (measured on this machine)
+    and a section written by hand."""
+    output = tmp_path_factory.mktemp("peers") / "results.md"
+    output.write_text(document(machine_details(), MAIN_SECTION, HAND_SECTION) + "\n")
+    report = bench_main(["--quick", "--device", "cpu", "--table", "peers", "--output", str(output)])
     return report, output.read_text()
 
 
 def test_table_has_every_peer_row_in_order_and_keeps_the_main_table(peers_run):
     report, text = peers_run
     assert isinstance(report, PeersReport)
-    assert text.startswith(MAIN_PART.rstrip("\n") + "\n\n## Peers\n")  # the main part untouched
+    # The machine named once at the top, the main table untouched before the peers, the hand-written notes last.
+    assert text.startswith("# Benchmark results\n") and text.count("\n## Machine\n") == text.count("- cores:") == 1
+    assert "\n" + MAIN_SECTION + "\n## Peers\n" in text and text.endswith("\n" + HAND_SECTION)
     header, rows = _table(text)
     assert header == PEER_COLUMNS
     assert [r["row"] for r in rows] == [w.row_id for w in peer_workloads()]
-    assert "copy bandwidth measured in this run" in text and "- cores:" in text
+    assert "copy bandwidth measured in this run" in text and "- llama-cpp-python:" in text
     for r in rows:
         if r["engine"] == "minimind":  # needs nothing beyond the project's own requirements
             assert not r["notes"].startswith("skipped")
@@ -156,7 +157,7 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
 def test_compiled_decode_rows_describe_their_kernels(weights):
     """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
     until the row runs)."""
-    from minimind.benchmark import _compiled_decode, _minimind_greedy
+    from bench.peers import _compiled_decode, _minimind_greedy
     from minimind.decode import quantize_weights_int8
 
     if weights == "int8" and int8_missing():
@@ -272,33 +273,45 @@ def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
         run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["no-such-row"]))
 
 
-def test_rewriting_the_main_table_keeps_the_peers_section():
-    section = "## Peers\n\n| row |\n|---|\n| peers-x |\n"
-    assert splice_peers(MAIN_PART, section) == MAIN_PART + "\n" + section
-    assert splice_peers(
-        MAIN_PART + "\n" + section, section.replace("peers-x", "peers-y")
-    ) == MAIN_PART + "\n" + section.replace("peers-x", "peers-y")
-    assert peers_section_of(MAIN_PART + "\n" + section) == section and peers_section_of(MAIN_PART) == ""
+def test_a_run_rewrites_its_own_section_and_keeps_the_others():
+    machine, peers = {"cpu": "X", "cores": 2}, "## Peers\n\n| row |\n|---|\n| peers-x |\n"
+    newer = peers.replace("peers-x", "peers-y")
+    old = document(machine, MAIN_SECTION, peers, HAND_SECTION) + "\n"
+    # A peers run: its section replaced; the main table and the hand-written notes kept, in their places.
+    assert merge_results(old, document(machine, newer)) == (
+        document(machine, MAIN_SECTION, newer, HAND_SECTION) + "\n",
+        [],
+    )
+    # A main run into a file holding only the peers table: the main table goes first. A new file: the run's own.
+    assert merge_results(document(machine, peers), document(machine, MAIN_SECTION))[0] == (
+        document(machine, MAIN_SECTION, peers) + "\n"
+    )
+    assert merge_results("", document(machine, peers)) == (document(machine, peers) + "\n", [])
+    # Measured on another machine: the file names one, so the other table goes; the notes stay.
+    other = {"cpu": "Y", "cores": 2}
+    assert merge_results(old, document(other, newer)) == (document(other, newer, HAND_SECTION) + "\n", [MAIN_TITLE])
 
 
 def test_main_run_rewrites_its_part_and_leaves_the_peers_section(tmp_path, monkeypatch):
-    import minimind.benchmark
+    import bench.__main__
+
+    machine, new_main = machine_details(), f"## {MAIN_TITLE}\n\nnew main table\n"
 
     class Main:  # stands in for a measured main table
         settings = BenchmarkSettings()
 
         def markdown(self):
-            return "# new main table\n"
+            return document(machine, new_main)
 
         def table(self):
             return "| new |"
 
-    output = tmp_path / "benchmarks.md"
+    output = tmp_path / "results.md"
     section = "## Peers\n\n| row |\n|---|\n| peers-x |\n"
-    output.write_text(MAIN_PART + "\n" + section)
-    monkeypatch.setattr(minimind.benchmark, "run_benchmark", lambda settings, **kwargs: Main())
-    load_script("benchmark").main(["--output", str(output)])
-    assert output.read_text() == "# new main table\n\n" + section
+    output.write_text(document(machine, MAIN_SECTION, section, HAND_SECTION) + "\n")
+    monkeypatch.setattr(bench.__main__, "run_benchmark", lambda settings, **kwargs: Main())
+    bench_main(["--output", str(output)])
+    assert output.read_text() == document(machine, new_main, section, HAND_SECTION) + "\n"
 
 
 def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
@@ -329,7 +342,7 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
     import contextlib
     import types
 
-    import minimind.benchmark
+    import bench.serve
     import minimind.serving
 
     started, completions = [], []
@@ -346,8 +359,8 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
         return 1 if short_round else max_tokens
 
     clock = iter(range(1000))  # each reading one second after the last
-    monkeypatch.setattr(minimind.benchmark, "_stream_completion", completion)
-    monkeypatch.setattr(minimind.benchmark.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(bench.serve, "_stream_completion", completion)
+    monkeypatch.setattr(bench.serve.time, "perf_counter", lambda: float(next(clock)))
     ctx = types.SimpleNamespace(
         repeats=3,
         sizes=dict(serve_tokens=4, serve_requests=2),
@@ -355,7 +368,7 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
         server=lambda weights, engine: f"{weights} {engine}",
     )
     workloads = [w for w in peer_workloads() if w.row_id.startswith("peers-serve-") and w.row_id.endswith("-bf16")]
-    one, eight = minimind.benchmark.measure_serve(workloads, ctx)
+    one, eight = bench.serve.measure_serve(workloads, ctx)
     assert started == [("app", "bf16 paged")]  # one server for both rows
     # after one warm-up completion, three rounds: 1 then 8 clients, 8 then 1, 1 then 8; each client asks twice
     assert completions[0] == PEER_PROMPT

@@ -292,7 +292,6 @@ def test_chat_command_says_once_that_the_first_reply_compiles(chat_model_dir, mo
     import io
 
     from conftest import decode_uncompiled
-
     from minimind import cli
 
     decode_uncompiled(monkeypatch)

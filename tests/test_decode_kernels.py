@@ -6,9 +6,8 @@ import pytest
 import torch
 from test_decode import BATCH, PROMPT, batch_reference, greedy, reference
 
-import minimind.decode as decode
 from conftest import tiny_model
-from minimind.decode import CompiledDecoder, cpu_vendor, fp32_product_kernel
+from minimind.decode import CompiledDecoder, compiled, cpu_vendor, fp32_product_kernel, fp32_products
 
 
 @pytest.fixture(scope="module")
@@ -95,23 +94,25 @@ def test_fp32_products_take_the_kernel_measured_fastest_for_their_rows_on_each_c
     rows = (1, 2, 3, 4, 8, 16)
     assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
     assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
-    assert decode.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
+    assert fp32_products.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
 
 
 def test_cpu_vendor_reads_cpuinfo_then_the_platform_string(monkeypatch):
     import io
 
     cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
-    monkeypatch.setattr(decode, "open", lambda path: io.StringIO(cpuinfo), raising=False)
+    monkeypatch.setattr(fp32_products, "open", lambda path: io.StringIO(cpuinfo), raising=False)
     assert cpu_vendor() == "AuthenticAMD"
 
     def no_file(path):
         raise FileNotFoundError(path)
 
-    monkeypatch.setattr(decode, "open", no_file, raising=False)
-    monkeypatch.setattr(decode.platform, "processor", lambda: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel")
+    monkeypatch.setattr(fp32_products, "open", no_file, raising=False)
+    monkeypatch.setattr(
+        fp32_products.platform, "processor", lambda: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel"
+    )
     assert cpu_vendor() == "GenuineIntel"
-    monkeypatch.setattr(decode.platform, "processor", lambda: "arm")
+    monkeypatch.setattr(fp32_products.platform, "processor", lambda: "arm")
     assert cpu_vendor() == ""
 
 
@@ -120,7 +121,9 @@ def fp32_products_of_steps(model, monkeypatch, intel, batch):
     against generate: the decoder, PROMPT's output, the products of the two graphs, the first graph's code."""
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(decode, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
+    # both places that read the table: the graph pass, and the compile settings (which pick the one-row template)
+    for module in (fp32_products, compiled):
+        monkeypatch.setattr(module, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
     record = RecordProducts()
     decoder = CompiledDecoder(model)
     with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):

@@ -76,6 +76,7 @@ def _trained_model_dir(path):
         )
     )
     (path / "training_args.json").write_text(json.dumps({"learning_rate": 0.0005, "gradient_accumulation_steps": 2}))
+    (path / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n a plot")
     (path / "optimizer.pt").write_bytes(b"not for the hub")
     (path / "checkpoint-60").mkdir()
     (path / "checkpoint-60" / "model.safetensors").write_bytes(b"intermediate")
@@ -102,10 +103,12 @@ def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
             "tokenizer.json",
             "tokenizer_config.json",
             "chat_template.jinja",
+            "loss_curve.png",
             "README.md",
         }
         | CODE_FILES
     )
+    assert files["loss_curve.png"] == (tmp_path / "run" / "loss_curve.png").read_bytes()
     config = json.loads(files["config.json"])
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"
     assert files["modeling_minimind.py"] == open(os.path.join(ROOT, "modeling_minimind.py"), "rb").read()
@@ -123,6 +126,7 @@ def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
     assert f"**Parameters:** {parameters:,}" in text
     assert "| `global_step` | 120 |" in text and "| `final training loss` | 3.1416 |" in text
     assert "| `final eval loss` | 3.5 |" in text and "| `learning_rate` | 0.0005 |" in text
+    assert "![Training and eval loss against steps](loss_curve.png)" in text
     assert 'AutoModelForCausalLM.from_pretrained("someone/minimind-tiny", trust_remote_code=True)' in text
 
 
@@ -190,6 +194,7 @@ def test_push_dry_run_lists_every_file_and_sends_nothing(tmp_path, capsys):
         "tokenizer.json",
         "tokenizer_config.json",
         "chat_template.jinja",
+        "loss_curve.png",
         "README.md",
     } | CODE_FILES
     assert set(plan) == expected

@@ -314,11 +314,14 @@ def test_no_character_bound_where_a_token_can_stand_for_any_length_of_text(gener
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing_it(base_url, generator, monkeypatch, chat):
     import minimind.serving
+    import minimind.serving.app
 
     tokenized = []
     if chat:  # the rendered conversation is measured in the tokenizer thread, before it is tokenized
-        original = minimind.serving.chat_prompt_ids
-        monkeypatch.setattr(minimind.serving, "chat_prompt_ids", lambda *args: tokenized.append(1) or original(*args))
+        original = minimind.serving.app.chat_prompt_ids
+        monkeypatch.setattr(
+            minimind.serving.app, "chat_prompt_ids", lambda *args: tokenized.append(1) or original(*args)
+        )
     else:  # a raw prompt is measured before it goes to a tokenizer thread
         monkeypatch.setattr(minimind.serving._Tokenizers, "run", lambda *args: tokenized.append(1))
     text = "word " * (generator.max_prompt_chars // 5) + "x"  # 1 character over; about 260 tokens
@@ -369,12 +372,12 @@ def test_small_requests_keep_their_latency_while_a_large_prompt_is_tokenized(bas
     off, as for a tokenizer without one) is rendered and tokenized for about a second, then refused by the prompt
     limit. A burst of small requests on other connections meanwhile (5 /v1/models, 3 one-token completions) answers
     each within 5x its latency in the same burst on the idle server just before (plus 0.5 s for a busy machine)."""
-    import minimind.serving
+    import minimind.serving.app
 
     monkeypatch.setattr(generator, "max_prompt_chars", None)
     tokenizing = threading.Event()
-    original = minimind.serving.chat_prompt_ids
-    monkeypatch.setattr(minimind.serving, "chat_prompt_ids", lambda *args: tokenizing.set() or original(*args))
+    original = minimind.serving.app.chat_prompt_ids
+    monkeypatch.setattr(minimind.serving.app, "chat_prompt_ids", lambda *args: tokenizing.set() or original(*args))
 
     def models():
         response = httpx.get(f"{base_url}/v1/models", timeout=10)

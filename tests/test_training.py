@@ -1,4 +1,4 @@
-"""Training scripts and core (minimind/training.py) on tiny settings: every script end to end, LoRA merge,
+"""Training scripts and core (minimind/training/) on tiny settings: every script end to end, LoRA merge,
 DPO margins, distillation, data errors, kill -9 + resume, and 2-process vs 1-process training."""
 
 import json
@@ -108,6 +108,23 @@ def pretrained(tmp_path_factory, data):
     return str(out), trainer, metrics
 
 
+def test_pretrain_writes_its_loss_curves_as_a_table_and_a_plot(pretrained):
+    out, trainer, _ = pretrained
+    history = trainer.state.log_history
+    train = {e["step"]: f"{e['loss']:.4f}" for e in history if "loss" in e}
+    evaluation = {e["step"]: f"{e['eval_loss']:.4f}" for e in history if "eval_loss" in e}
+    assert len(train) >= 2 and evaluation
+    lines = Path(out, "loss_curve.md").read_text().splitlines()
+    assert lines[:2] == ["| step | training loss | eval loss |", "|---:|---:|---:|"]
+    assert lines[2:] == [
+        f"| {step} | {train.get(step, '')} | {evaluation.get(step, '')} |" for step in sorted({*train, *evaluation})
+    ]
+    from matplotlib.image import imread
+
+    plot = imread(Path(out, "loss_curve.png"))
+    assert plot.ndim == 3 and plot.shape[0] > 100 and plot.shape[1] > 100
+
+
 def test_pretrain_writes_complete_loadable_hf_directory(pretrained):
     out, trainer, metrics = pretrained
     losses = logged_losses(trainer)
@@ -127,6 +144,7 @@ def test_pretrain_writes_complete_loadable_hf_directory(pretrained):
         "tokenizer.json",
         "tokenizer_config.json",
         "loss_curve.md",
+        "loss_curve.png",
     } <= files
     assert "training_args.bin" not in files and not any(f.endswith((".bin", ".pt", ".pth")) for f in files)
     assert (
@@ -634,3 +652,18 @@ def test_torch_compile_flag_trains_the_same_losses_as_eager(data, tmp_path):
     assert type(compiled.model_wrapped).__name__ == "OptimizedModule"  # the step really ran compiled
     assert logged_losses(compiled) == pytest.approx(logged_losses(eager), abs=1e-4)
     assert len(logged_losses(compiled)) == 4
+
+
+def test_report_to_tensorboard_writes_the_logged_losses(tmp_path, data):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    argv = ["--data_path", data["pretrain"], "--output_dir", str(tmp_path / "run"), "--max_steps", "3"]
+    fast = [flag if flag != "none" else "tensorboard" for flag in FAST]  # --report_to tensorboard
+    trainer, _ = load_script("pretrain").main([*argv, *TINY_MODEL, *fast])
+    (log_dir,) = (tmp_path / "run" / "runs").iterdir()  # the Trainer's default: <output_dir>/runs/<time_host>
+    events = EventAccumulator(str(log_dir)).Reload()
+    logged = [(scalar.step, scalar.value) for scalar in events.Scalars("train/loss")]
+    expected = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
+    assert [step for step, _ in logged] == [1, 2, 3] == [step for step, _ in expected]
+    assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6)

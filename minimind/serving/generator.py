@@ -1,0 +1,288 @@
+"""From a request to text: `Generator` (the model, its tokenizer, its name, the limits and the engine), `Sequence`
+(one choice, its text as it is detokenized), `_Job` (one request's choices generating together, under its deadline)
+and `_Tokenizers` (the threads that render and tokenize prompts off the event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from transformers import TextStreamer
+
+from minimind.chat import SamplingParams, StopStringCutter, reply_room
+from minimind.serving.compiled import CompiledBatchEngine
+from minimind.serving.errors import APIError, _timed_out
+from minimind.serving.limits import DEFAULT_MAX_TOKENS, ServerLimits
+from minimind.serving.paged import BatchEngine
+from minimind.serving.schema import _Sampling
+
+
+class _PieceCollector(TextStreamer):
+    """transformers' incremental detokenizer (it waits for whole words and complete characters), collecting the
+    finished text instead of printing it."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
+        self.pieces: list[str] = []
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        if text:
+            self.pieces.append(text)
+
+    def take(self) -> str:
+        text, self.pieces = "".join(self.pieces), []
+        return text
+
+
+class Sequence:
+    """One choice being generated: iterate `pieces()` for its text; then `finish_reason` and `completion_tokens`.
+
+    Leaving the iteration early (a client gone, a timeout, a stop string) cancels it in the engine."""
+
+    def __init__(self, engine: BatchEngine, prompt_ids: list[int], params: SamplingParams):
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+    async def pieces(self) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        request_id = self.engine.submit(
+            self.prompt_ids, self.params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output)
+        )
+        detokenizer, cutter = _PieceCollector(self.engine.tokenizer), StopStringCutter(self.params.stop)
+        output = None
+        try:
+            while True:
+                output = await outputs.get()
+                if output.error is not None:
+                    raise RuntimeError(output.error)
+                new_tokens = output.generated_tokens[self.completion_tokens :]
+                self.completion_tokens = len(output.generated_tokens)
+                if new_tokens:
+                    detokenizer.put(torch.tensor(new_tokens))
+                if output.is_finished():
+                    detokenizer.end()
+                if text := cutter.feed(detokenizer.take()):
+                    yield text
+                if cutter.hit:
+                    self.finish_reason = "stop"
+                    return
+                if output.is_finished():
+                    if text := cutter.finish():
+                        yield text
+                    ended = output.generated_tokens[-1:] == [self.engine.tokenizer.eos_token_id]
+                    ran_out = self.completion_tokens >= self.params.max_new_tokens
+                    self.finish_reason = "length" if ran_out and not ended else "stop"
+                    return
+        finally:
+            self.engine.release(request_id, cancel=output is None or not output.is_finished())
+
+
+class Generator:
+    """What the server serves: the model, its tokenizer, its name, the limits and the batching engine."""
+
+    ENGINES = ("paged", "compiled")
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        model_id: str,
+        max_context: int | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        limits: ServerLimits | None = None,
+        engine: str = "paged",
+        compile: bool = True,
+    ):
+        limits = limits or ServerLimits(
+            max_context=max_context,
+            default_max_tokens=default_max_tokens,
+            max_tokens=max(default_max_tokens, ServerLimits.max_tokens),
+        )
+        self.limits = limits.check(model.config.max_position_embeddings)
+        self.model, self.tokenizer, self.model_id = model, tokenizer, model_id
+        self.max_context = self.limits.max_context
+        # A text longer than this is certainly over max_prompt_tokens: refused without tokenizing it.
+        per_token = max_chars_per_token(tokenizer)
+        self.max_prompt_chars = per_token * self.limits.max_prompt_tokens if per_token else None
+        if engine == "paged":
+            self.engine = BatchEngine(model, tokenizer, self.max_context, cache_tokens=self.limits.kv_cache_tokens)
+        elif engine == "compiled":
+            slots = self.limits.max_batch * self.max_context
+            if slots > self.limits.kv_cache_tokens:
+                raise ValueError(
+                    f"the compiled engine keeps max_batch x max_context = {self.limits.max_batch} x "
+                    f"{self.max_context} = {slots} tokens of keys and values, more than kv_cache_tokens "
+                    f"({self.limits.kv_cache_tokens}). Fix: lower --max_context or --max_batch, or raise "
+                    "--kv_cache_tokens"
+                )
+            self.engine = CompiledBatchEngine(model, tokenizer, self.max_context, self.limits.max_batch, compile)
+        else:
+            raise ValueError(f"engine must be one of {', '.join(self.ENGINES)}, got {engine!r}")
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """The 400 for a prompt whose `chars` characters are more than `max_prompt_tokens` tokens however it is
+        tokenized; nothing where that is not certain."""
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            limits = self.limits
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limits.max_context} tokens and prompts "
+                f"may have at most {limits.max_prompt_tokens}; the {param} has {chars} characters, "
+                f"more than {limits.max_prompt_tokens} tokens however it is tokenized. Shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def sampling_params(self, request: _Sampling, prompt_tokens: int, param: str) -> SamplingParams:
+        """Per-request sampling settings, or the APIError for a request beyond the server's limits."""
+        limits = self.limits
+        if prompt_tokens > limits.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limits.max_context} tokens and prompts "
+                f"may have at most {limits.max_prompt_tokens}; the {param} has {prompt_tokens} "
+                "tokens. Shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        name, wanted = request.max_tokens_param()
+        if wanted is not None and wanted > limits.max_tokens:
+            raise APIError(
+                400,
+                f"{name} is too large: {wanted}. This server allows at most {limits.max_tokens} "
+                "completion tokens per request (--max_tokens).",
+                param=name,
+                code="invalid_value",
+            )
+        if request.n > limits.max_n:
+            raise APIError(
+                400,
+                f"n is too large: {request.n}. This server allows at most {limits.max_n} choices "
+                "per request (--max_n).",
+                param="n",
+                code="invalid_value",
+            )
+        # A completion that would not fit in the context is not an error: it ends there with "length".
+        return SamplingParams(
+            max_new_tokens=reply_room(wanted or limits.default_max_tokens, prompt_tokens, limits.max_context),
+            do_sample=request.temperature > 0,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=request.stop_list(),
+        )
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of text one token can stand for, where that is certain; None elsewhere.
+
+    A BPE without an unknown token (byte-level BPE needs none; a fused unknown token could swallow any run of
+    characters) and without a normalizer (one could fold several characters into one) gives tokens whose vocabulary
+    entries are at least as long as the text they cover: byte-level entries have one character per byte, and a
+    character is at least one byte. An added token covers its own content, unless it strips the spaces around it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or model.unk_token is not None or backend.normalizer is not None:
+        return None
+    if any(token.lstrip or token.rstrip for token in tokenizer.added_tokens_decoder.values()):
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=None)
+
+
+class _Job:
+    """One request turned into sequences: n choices for each prompt, numbered like OpenAI does."""
+
+    def __init__(self, generator: Generator, request: _Sampling, prompts: list[list[int]], param: str):
+        self.generator, self.request = generator, request
+        params = [generator.sampling_params(request, len(ids), param) for ids in prompts]
+        if len(prompts) * request.n > generator.limits.max_n:
+            raise APIError(
+                400,
+                f"Too many choices: {len(prompts)} prompts x n={request.n}. This server generates "
+                f"at most {generator.limits.max_n} choices per request (--max_n); split the prompts "
+                "over several requests.",
+                param=param,
+                code="invalid_value",
+            )
+        self.prompt_tokens = sum(len(ids) for ids in prompts)
+        self.sequences = [
+            Sequence(generator.engine, ids, p) for ids, p in zip(prompts, params) for _ in range(request.n)
+        ]
+        self.deadline = time.monotonic() + generator.limits.request_timeout
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(sequence.completion_tokens for sequence in self.sequences)
+
+    async def events(self) -> AsyncIterator[tuple[int, str | None]]:
+        """(choice index, text piece) as the choices generate together; (index, None) when one has finished.
+        Raises the timeout APIError at the deadline; leaving early cancels every unfinished choice."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def run(index: int, sequence: Sequence):
+            try:
+                async for piece in sequence.pieces():
+                    events.put_nowait((index, piece))
+                events.put_nowait((index, None))
+            except BaseException as error:  # reported to the consumer, which stops everything
+                events.put_nowait((index, error))
+                raise
+
+        tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(self.sequences)]
+        next_event = None
+        try:
+            running = len(tasks)
+            while running:
+                # Not `asyncio.wait_for`: before Python 3.12 it drops a cancellation that arrives as the awaited
+                # item does, and a cancelled request would keep generating to its end.
+                next_event = asyncio.ensure_future(events.get())
+                await asyncio.wait({next_event}, timeout=max(0.0, self.deadline - time.monotonic()))
+                if not next_event.done():
+                    raise _timed_out(self.generator.limits.request_timeout)
+                index, item = next_event.result()
+                if isinstance(item, BaseException):
+                    raise item
+                running -= item is None
+                yield index, item
+        finally:
+            for task in [*tasks, *([next_event] if next_event else [])]:
+                task.cancel()  # closes the sequence's iteration, which cancels it in the engine
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Tokenizers:
+    """Renders and tokenizes prompts off the event loop, so that a long prompt does not hold up every other request,
+    in a few threads with a copy of the tokenizer each: a fast tokenizer keeps per-call settings (whether special
+    tokens are split: chat messages yes, raw prompts no) in the one Rust object it wraps, so two threads tokenizing
+    through one copy can each get the other's setting, and a chat message could then open a turn of its own."""
+
+    THREADS = 4
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._local = threading.local()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _own(self):
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tokenizer
+
+    async def run(self, work, *args):
+        """`work(tokenizer, *args)` in one of the threads."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="minimind-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: work(self._own(), *args))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
