@@ -44,7 +44,7 @@ test-compat:
 # llama.cpp from source (6-13 minutes on 2 cores, cached by pip afterwards), so this leg is separate from `test`.
 test-llama-cpp:
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PYTHON) -m pip install -q "llama-cpp-python==0.3.36"
-	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/test_export.py tests/test_export_gguf_types.py -q -k llama
+	MINIMIND_LLAMA_CPP=1 HF_HUB_OFFLINE=1 $(PYTHON) -m pytest tests/export/test_export.py tests/export/test_gguf_types.py -q -k llama
 
 # transformers' own common model tests (ModelTesterMixin & co.) on MiniMind, Qwen3 alongside. They are fetched from
 # the installed transformers' sdist on PyPI at test time (never copied here); 40 s on a quiet 2-core machine, up to 6 minutes on a busy one.

@@ -19,15 +19,15 @@ LEG="${1:?usage: .ci/compat.sh 4.57|5.17}"
 case "$LEG" in
   4.57) SPECS=("transformers==4.57.*" "huggingface_hub<1.0" "tokenizers<0.23" "datasets<5"); TESTS=(tests/compat) ;;
   # Checked once, under the installed transformers: the peers benchmark's table, the browser run of the web
-  # page, the documented commands (tests/test_docs.py) and which kernels a compiled step runs (torch's choice). The
-  # model paths they drive are tested under 5.17 by their own modules (decode, serving, export, training, chat),
-  # and together they cost over 4 minutes a leg on 2 cores.
+  # page, the documented commands (tests/docs/test_docs.py) and which kernels a compiled step runs (torch's
+  # choice). The model paths they drive are tested under 5.17 by their own modules (decode, serving, export,
+  # training, chat), and together they cost over 4 minutes a leg on 2 cores.
   # PYTEST_PARALLEL (set by `make test`: pytest-xdist's workers) applies to this leg; the 4.57 leg is 8 tests.
   # shellcheck disable=SC2206
   5.17) SPECS=("transformers==5.17.*")
-        TESTS=(tests --ignore=tests/test_benchmark_peers.py --ignore=tests/test_docs.py
-               --ignore=tests/test_decode_kernels.py
-               --deselect=tests/test_web.py::test_page_in_browser_streams_greedy_replies_and_folds_thinking
+        TESTS=(tests --ignore=tests/bench/test_peers.py --ignore=tests/docs/test_docs.py
+               --ignore=tests/decode/test_kernels.py
+               --deselect=tests/chat/test_web.py::test_page_in_browser_streams_greedy_replies_and_folds_thinking
                ${PYTEST_PARALLEL:-}) ;;
   *) echo "unknown leg '$LEG': use 4.57 or 5.17" >&2; exit 2 ;;
 esac

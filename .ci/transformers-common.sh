@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # transformers' own common model tests (ModelTesterMixin, ConfigTester, TrainingTesterMixin) on MiniMind, with
-# Qwen3 and Qwen3-MoE as the reference: tests/test_transformers_common.py.
+# Qwen3 and Qwen3-MoE as the reference: tests/model/test_transformers_common.py.
 #
 # The test sources come from the sdist of the installed transformers release, downloaded here with pip into
 # .cache/transformers-tests/<version>/ (git-ignored, reused) and never copied into the repository. Downloading
@@ -22,5 +22,5 @@ if [ ! -e "$CACHE/transformers-$VERSION.tar.gz" ]; then
     "transformers==$VERSION" -d "$CACHE"
 fi
 
-MINIMIND_TRANSFORMERS_COMMON=1 HF_HUB_OFFLINE=1 "$PYTHON" -m pytest tests/test_transformers_common.py -q -rf \
+MINIMIND_TRANSFORMERS_COMMON=1 HF_HUB_OFFLINE=1 "$PYTHON" -m pytest tests/model/test_transformers_common.py -q -rf \
   -p no:randomly -p no:cacheprovider -W ignore::pytest.PytestUnknownMarkWarning "$@"

@@ -308,7 +308,7 @@ def prepare_peer(w, ctx):
             describe = lambda tokens: "forward, logits of the last position"  # noqa: E731
         elif w.engine == "minimind compiled":
             # quick: only fp32 steps are compiled (bf16 and int8 graphs take far longer to compile, and
-            # tests/test_decode_kernels.py checks their compiled steps); the others run the same decoder with
+            # tests/decode/test_kernels.py checks their compiled steps); the others run the same decoder with
             # eager steps
             compile = not ctx.settings.quick or w.weights == "fp32"
             run, describe = _compiled_decode(model, torch.tensor(prompts), new, w.weights, compile)

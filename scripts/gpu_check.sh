@@ -45,7 +45,7 @@ PY
 
 echo "== tests on $DEVICE"
 # The GPU tests, and the CPU model tests as a check of this machine's torch and transformers.
-timeout 150 "$PY" -m pytest tests/test_modeling_cuda.py tests/test_modeling.py tests/compat -q -rs \
+timeout 150 "$PY" -m pytest tests/model/test_cuda.py tests/model/test_modeling.py tests/compat -q -rs \
   -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" || failed+=(tests)
 
 echo "== benchmark on $DEVICE, sdpa"

@@ -4,6 +4,7 @@ import contextlib
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -35,19 +36,27 @@ def torch_threads(count):
         torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a whole module: `pytestmark = pytest.mark.usefixtures("one_thread")` there."""
+    with torch_threads(1):
+        yield
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: costs more than 30 s on 2 CPU cores; deselect with -m 'not slow'")
 
 
 # The modules that take longest (50-150 s each on 2 cores, more with a cold inductor cache: compiled decoding and its
 # kernels, every documented command, the browser, the peers' table) start first, so that `make test`'s workers, which
-# take one module at a time in collection order, finish together instead of one starting a long module last.
+# take one module at a time in collection order, finish together instead of one starting a long module last. Basenames:
+# each is unique across tests/.
 LONGEST_MODULES = (
-    "test_decode.py",
-    "test_decode_kernels.py",
-    "test_docs.py",
-    "test_web.py",
-    "test_benchmark_peers.py",
+    "test_compiled.py",  # decode/
+    "test_kernels.py",  # decode/
+    "test_docs.py",  # docs/
+    "test_web.py",  # chat/
+    "test_peers.py",  # bench/
 )
 
 
@@ -71,6 +80,21 @@ def tiny_config(**overrides):
     )
     base.update(overrides)
     return MiniMindConfig(**base)
+
+
+# The training commands' flags for tiny_config()'s shape (its vocabulary aside: the commands take the tokenizer's).
+TINY_MODEL = [
+    "--hidden_size",
+    "64",
+    "--num_hidden_layers",
+    "2",
+    "--num_attention_heads",
+    "4",
+    "--num_key_value_heads",
+    "2",
+    "--intermediate_size",
+    "96",
+]
 
 
 def tiny_model(seed=0, std=None, **overrides):
@@ -100,9 +124,16 @@ def model_dir(path, std=None, with_tokenizer=True, **overrides):
     return model
 
 
+def head(src, dst, n):
+    """The first `n` lines of the file `src` written to `dst`; returns `dst` as a string."""
+    lines = Path(src).read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+    Path(dst).write_text("".join(lines), encoding="utf-8")
+    return str(dst)
+
+
 def decode_uncompiled(monkeypatch):
     """Every `CompiledDecoder` made from here on runs its loop uncompiled: for tests of the commands around it,
-    where each compilation would cost seconds (tests/test_decode.py covers the compiled step)."""
+    where each compilation would cost seconds (tests/decode/test_compiled.py covers the compiled step)."""
     from minimind.decode import CompiledDecoder
 
     init = CompiledDecoder.__init__
@@ -129,7 +160,6 @@ def plant_code_dir(path, model_type="planted", marker=None):
     a module beside it; tokenizer_config.json does the same for its tokenizer. Importing that module writes
     `marker` (default: path/RAN), so a test sees whether anything ran it. Returns the marker's path."""
     import json
-    from pathlib import Path
 
     path, marker = Path(path), Path(marker or Path(path) / "RAN")
     path.mkdir(parents=True, exist_ok=True)
@@ -149,3 +179,96 @@ def plant_code_dir(path, model_type="planted", marker=None):
         )
     )
     return marker
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Upstream MiniMind's transformers-format directories (export/test_upstream.py; docs/test_docs.py makes one too)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def current_config(model):
+    """config.json as upstream's current MiniMindConfig writes it: MiniMind's field names, plus dropout and
+    upstream's own auto_map and architectures."""
+    c = model.config
+    return {
+        "architectures": ["MiniMindForCausalLM"],
+        "auto_map": {"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"},
+        "model_type": "minimind",
+        "dtype": "float32",
+        "transformers_version": "4.57.1",
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "use_moe": c.use_moe,
+        "dropout": 0.0,
+        "vocab_size": c.vocab_size,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "flash_attn": True,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "inference_rope_scaling": False,
+        "rope_scaling": None,
+        "num_experts": c.num_experts,
+        "num_experts_per_tok": c.num_experts_per_tok,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "norm_topk_prob": c.norm_topk_prob,
+        "router_aux_loss_coef": 5e-4,
+    }
+
+
+def upstream_dir(path, model, config, head_name_only=False, dtype=None, tokenizer=True):
+    """Write `model` as an upstream directory: its tensors under upstream's names (MiniMind's), a tied pair stored
+    once (under the embedding's name, or under the head's as transformers 4 may keep it), `config` as
+    config.json, and the bundled tokenizer standing in for upstream's."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = {k: v.detach().clone().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("model.embed_tokens.weight" if head_name_only else "lm_head.weight")
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if tokenizer:
+        for name in TOKENIZER_FILES:
+            shutil.copy(os.path.join(TOKENIZER_DIR, name), path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compiled decoding against `generate` (decode/test_compiled.py, decode/test_kernels.py)
+# --------------------------------------------------------------------------------------------------------------
+
+PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
+NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
+BATCH = torch.tensor([[5, 17, 3, 42, 8, 11, 29], [9, 9, 1, 2, 60, 7, 7], [33, 4, 4, 81, 12, 5, 70]])
+
+
+def reference(model, new, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            PROMPT,
+            attention_mask=torch.ones_like(PROMPT),
+            max_new_tokens=new,
+            pad_token_id=0,
+            **{"eos_token_id": NO_EOS, **kwargs},
+        )
+
+
+def greedy(**kwargs):
+    return dict(do_sample=False, temperature=None, top_p=None, top_k=None, **{"eos_token_id": NO_EOS, **kwargs})
+
+
+def batch_reference(model, new, batch=BATCH, **kwargs):
+    with torch.no_grad():
+        return model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new, **kwargs)

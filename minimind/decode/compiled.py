@@ -24,7 +24,7 @@ dict is untouched.
 `CompiledDecoder.generate` takes the subset of `model.generate`'s arguments the chat front ends use (greedy or
 temperature / top-k / top-p sampling through transformers' own logits warpers, eos, a streamer, stopping
 criteria) and returns what `generate` returns: prompt and new ids, a row per prompt, a row that ended early
-filled with the pad id. Greedy fp32 output equals `generate`'s token for token (tests/test_decode.py);
+filled with the pad id. Greedy fp32 output equals `generate`'s token for token (tests/decode/test_compiled.py);
 anything it does not cover is refused with a ValueError.
 """
 

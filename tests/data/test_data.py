@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from conftest import ROOT  # noqa: E402
 from minimind.data import (  # noqa: E402
     IGNORE_INDEX,
     DataFormatError,
@@ -21,12 +22,10 @@ from minimind.data import (  # noqa: E402
     split_train_eval,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(str(ROOT / "tokenizer"))
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "tokenizer"))
 
 
 def write_lines(path: Path, lines: list) -> Path:
@@ -356,7 +355,7 @@ def test_split_train_eval(tmp_path, tok):
 
 def test_bundled_corpus_is_valid():
     for name, kind in (("pretrain.jsonl", "pretrain"), ("sft.jsonl", "sft"), ("dpo.jsonl", "dpo")):
-        rows, skipped = read_jsonl(ROOT / "data" / name, kind)
+        rows, skipped = read_jsonl(Path(ROOT, "data", name), kind)
         assert rows and skipped == 0
 
 

@@ -9,7 +9,7 @@ and stand-ins for the three modules the sdist does not ship (`tests/exporters`, 
 `tests/utils`), so transformers' export and generate suites do not run here.
 
 Opt-in: `make test-transformers-common` (40 s on 2 quiet cores, up to 6 minutes on busy ones), or
-`MINIMIND_TRANSFORMERS_COMMON=1 pytest tests/test_transformers_common.py`. Without PyPI the module is skipped,
+`MINIMIND_TRANSFORMERS_COMMON=1 pytest tests/model/test_transformers_common.py`. Without PyPI the module is skipped,
 saying why.
 """
 
@@ -28,7 +28,8 @@ from unittest import mock
 import pytest
 import transformers
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
+
 PACKAGE = "transformers_sdist_tests"  # the sdist's tests/*.py, importable under this name
 VERSION = transformers.__version__
 
@@ -40,7 +41,7 @@ pytest.importorskip("parameterized", reason="transformers' common tests need `pi
 def fetch_test_sources():
     """The directory holding `transformers_sdist_tests/` for the installed release: the sdist's top-level
     tests/*.py, downloaded once with pip and cached. Raises RuntimeError saying why it cannot."""
-    cache = Path(os.environ.get("MINIMIND_TRANSFORMERS_TESTS_CACHE", ROOT / ".cache" / "transformers-tests"))
+    cache = Path(os.environ.get("MINIMIND_TRANSFORMERS_TESTS_CACHE", Path(ROOT, ".cache", "transformers-tests")))
     root = cache / VERSION
     if (root / PACKAGE / "test_modeling_common.py").exists():
         return root

@@ -42,8 +42,8 @@ def served_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=["paged", "compiled"])
 def generator(served_dir, request):
     """Every test of the server runs on both engines. The compiled engine's steps run eagerly here (the compiled
-    graphs are checked against generate in tests/test_decode.py), two rows at a time: more concurrent sequences
-    than rows wait, and a row that finishes takes over the last busy row's sequence."""
+    graphs are checked against generate in tests/decode/test_compiled.py), two rows at a time: more concurrent
+    sequences than rows wait, and a row that finishes takes over the last busy row's sequence."""
     model, tokenizer = load_model_and_tokenizer(str(served_dir), "cpu")
     if request.param == "paged":
         return Generator(model, tokenizer, MODEL_ID, limits=LIMITS)

@@ -3,9 +3,10 @@
 
 Where the written command would run long it is made tiny instead: training commands get one step on a tiny model
 and a slice of the bundled data (flags appended, so they override the written ones); upstream checkpoints to
-import are tiny. Commands that need a network (the Hub) or a GPU and the five-minute demo (tests/test_demo.py runs it
-at toy size) are parsed and stop where the work would start; each says why. The benchmark is not an installed
-command: tests/test_benchmark.py parses each `python -m bench ...` the docs show and runs its quick mode.
+import are tiny. Commands that need a network (the Hub) or a GPU and the five-minute demo (tests/docs/test_demo.py
+runs it at toy size) are parsed and stop where the work would start; each says why. The benchmark is not an
+installed command: tests/bench/test_main_table.py parses each `python -m bench ...` the docs show and runs its quick
+mode.
 """
 
 import ast
@@ -24,7 +25,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TOKENIZER_DIR, decode_uncompiled, load_script, model_dir, tiny_model, torch_threads
+from conftest import (
+    ROOT,
+    TINY_MODEL,
+    TOKENIZER_DIR,
+    current_config,
+    decode_uncompiled,
+    head,
+    load_script,
+    model_dir,
+    tiny_model,
+    torch_threads,
+    upstream_dir,
+)
 
 DOCS = [
     os.path.join(ROOT, "README.md"),
@@ -131,13 +144,6 @@ def command_function(program):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def head(src, dst, n):
-    Path(dst).write_text(
-        "".join(Path(src).read_text(encoding="utf-8").splitlines(keepends=True)[:n]), encoding="utf-8"
-    )
-    return str(dst)
-
-
 def upstream_pth(path, model):
     """A model saved the way upstream MiniMind saves one: a plain state dict."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -174,8 +180,7 @@ def workspace(tmp_path_factory):
         upstream_pth(root / name, dense)
     upstream_pth(root / "out" / "full_sft_640_moe.pth", tiny_model(use_moe=True, num_experts=4))
     (root / "upstream_config.json").write_text(json.dumps({**UPSTREAM_TINY, "use_moe": True, "n_routed_experts": 4}))
-    from test_upstream import current_config, upstream_dir  # an upstream transformers-format directory
-
+    # an upstream transformers-format directory
     upstream_dir(root / "MiniMind2", tiny_model(), current_config(tiny_model()))
     slices = root / "slices"
     slices.mkdir()
@@ -195,18 +200,6 @@ def in_workspace(workspace, monkeypatch):
 # How each command runs
 # --------------------------------------------------------------------------------------------------------------
 
-TINY_MODEL = [
-    "--hidden_size",
-    "64",
-    "--num_hidden_layers",
-    "2",
-    "--num_attention_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "96",
-]
 ONE_STEP = [
     "--max_steps",
     "1",
@@ -253,7 +246,7 @@ def run_command(program, argv, workspace, monkeypatch, capfd):
         return
     if name in DATA_KIND:
         return run_training(main, name, list(argv), workspace)
-    if name == "demo":  # five minutes of training: tests/test_demo.py runs it at toy size
+    if name == "demo":  # five minutes of training: tests/docs/test_demo.py runs it at toy size
         import minimind.demo
 
         settings = []

@@ -14,12 +14,15 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from conftest import ROOT, load_script, model_dir, torch_threads
+from conftest import ROOT, load_script, model_dir
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with the gloo backend is not available in this torch build",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (dist.is_available() and dist.is_gloo_available()),
+        reason="torch.distributed with the gloo backend is not available in this torch build",
+    ),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96)
 IDS = torch.tensor([[1, 5, 17, 33, 60, 90, 2, 44, 71, 12]])
@@ -42,12 +45,6 @@ def run(command, timeout=300):
     stderr = "\n".join(line for line in result.stderr.splitlines() if "_pytree.py" not in line)
     assert result.returncode == 0, f"exit code {result.returncode}\n{result.stdout[-2000:]}\n{stderr[-6000:]}"
     return result
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
 
 
 def load(path):

@@ -147,7 +147,7 @@ def test_closing_a_stream_early_stops_generation(model_and_tokenizer):
 
 
 def test_chat_script_reads_stdin_until_eof(chat_model_dir):
-    # --no-compile: compiling the decoder would cost this process 15-30 s; tests/test_documented.py runs the
+    # --no-compile: compiling the decoder would cost this process 15-30 s; tests/docs/test_documented.py runs the
     # command's compiled default.
     result = subprocess.run(
         [

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, load_script, torch_threads
+from conftest import ROOT, load_script
 from minimind.errors import InputError
 
 TINY_MODEL = [
@@ -52,10 +52,7 @@ FAST = [
 CHECKPOINTED = ["--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "3"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

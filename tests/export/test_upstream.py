@@ -9,10 +9,9 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from conftest import TOKENIZER_DIR, TOKENIZER_FILES, tiny_model
+from conftest import TOKENIZER_DIR, TOKENIZER_FILES, current_config, tiny_model, upstream_dir
 from minimind.cli import convert
 from minimind.convert import convert_upstream_directory
 
@@ -27,43 +26,6 @@ TINY = dict(
     max_position_embeddings=256,
     rope_theta=10000.0,
 )
-
-
-def current_config(model):
-    """config.json as upstream's current MiniMindConfig writes it: MiniMind's field names, plus dropout and
-    upstream's own auto_map and architectures."""
-    c = model.config
-    return {
-        "architectures": ["MiniMindForCausalLM"],
-        "auto_map": {"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"},
-        "model_type": "minimind",
-        "dtype": "float32",
-        "transformers_version": "4.57.1",
-        "hidden_size": c.hidden_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "use_moe": c.use_moe,
-        "dropout": 0.0,
-        "vocab_size": c.vocab_size,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "flash_attn": True,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "intermediate_size": c.intermediate_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "inference_rope_scaling": False,
-        "rope_scaling": None,
-        "num_experts": c.num_experts,
-        "num_experts_per_tok": c.num_experts_per_tok,
-        "moe_intermediate_size": c.moe_intermediate_size,
-        "norm_topk_prob": c.norm_topk_prob,
-        "router_aux_loss_coef": 5e-4,
-    }
 
 
 def minimind2_config(model, n_shared_experts=0):
@@ -99,23 +61,6 @@ def minimind2_config(model, n_shared_experts=0):
         "seq_aux": True,
         "norm_topk_prob": True,
     }
-
-
-def upstream_dir(path, model, config, head_name_only=False, dtype=None, tokenizer=True):
-    """Write `model` as an upstream directory: its tensors under upstream's names (MiniMind's), a tied pair stored
-    once (under the embedding's name, or under the head's as transformers 4 may keep it), `config` as
-    config.json, and the bundled tokenizer standing in for upstream's."""
-    os.makedirs(path, exist_ok=True)
-    state = {k: v.detach().clone().to(dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("model.embed_tokens.weight" if head_name_only else "lm_head.weight")
-    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    if tokenizer:
-        for name in TOKENIZER_FILES:
-            shutil.copy(os.path.join(TOKENIZER_DIR, name), path)
-    return path
 
 
 def logits(model, ids):

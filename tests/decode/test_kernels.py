@@ -4,9 +4,8 @@ These depend on torch and the CPU alone, so the transformers 5.17 leg leaves the
 
 import pytest
 import torch
-from test_decode import BATCH, PROMPT, batch_reference, greedy, reference
 
-from conftest import tiny_model
+from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_model
 from minimind.decode import CompiledDecoder, compiled, cpu_vendor, fp32_product_kernel, fp32_products
 
 

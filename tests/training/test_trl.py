@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from conftest import model_dir, torch_threads
+from conftest import TINY_MODEL, model_dir, torch_threads
 from minimind.export import to_qwen3_model
 
 trl = pytest.importorskip("trl")
@@ -367,18 +367,6 @@ def test_reward_flags_choose_the_functions_and_trl_weights(tmp_path, monkeypatch
 # The minimind-grpo command
 # --------------------------------------------------------------------------------------------------------------
 
-TINY_MODEL = [
-    "--hidden_size",
-    "64",
-    "--num_hidden_layers",
-    "2",
-    "--num_attention_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "96",
-]
 # Module-level state in a reward module is how a user's reward function can record what it saw.
 REWARD_MODULE = """
 SEEN = []

@@ -14,20 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ROOT, load_script, torch_threads
+from conftest import ROOT, TINY_MODEL, head, load_script
 
-TINY_MODEL = [
-    "--hidden_size",
-    "64",
-    "--num_hidden_layers",
-    "2",
-    "--num_attention_heads",
-    "4",
-    "--num_key_value_heads",
-    "2",
-    "--intermediate_size",
-    "96",
-]
 FAST = [
     "--use_cpu",
     "--report_to",
@@ -49,16 +37,7 @@ FAST = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    with torch_threads(1):
-        yield
-
-
-def head(src, dst, n):
-    lines = Path(src).read_text(encoding="utf-8").splitlines(keepends=True)[:n]
-    Path(dst).write_text("".join(lines), encoding="utf-8")
-    return str(dst)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

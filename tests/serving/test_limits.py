@@ -2,7 +2,7 @@
 without Content-Length), text that is not Unicode, loosely typed numbers, deeply nested JSON, long prompts refused
 without tokenizing, the docs behind the API key, the warning for a keyless server off loopback, and small requests
 answered while a large one is being tokenized. A real uvicorn on a loopback port, the paged engine (the limits sit in
-front of either engine: tests/test_serving.py runs both)."""
+front of either engine: tests/serving/test_app.py runs both)."""
 
 import itertools
 import json

@@ -32,7 +32,7 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True, compile_
     return the printed text and, per reply, the model, its generate kwargs and the generated ids.
     Without `generate_for_real` each reply is just the end-of-turn token, so default lengths cost nothing.
     The default path's decoder runs its loop uncompiled unless `compile_step`: these tests are about the
-    command, and compiling costs seconds each (tests/test_decode.py covers the compiled step)."""
+    command, and compiling costs seconds each (tests/decode/test_compiled.py covers the compiled step)."""
     calls, paths = [], []
     if not compile_step:
         decode_uncompiled(monkeypatch)

@@ -116,8 +116,9 @@ def test_cpu_features_name_the_vector_and_matrix_extensions():
 
 
 def test_documented_bench_commands_parse():
-    """Every `python -m bench ...` that README.md or docs/ show parses with the command's flags (tests/test_docs.py
-    runs the `minimind-*` commands; a full benchmark takes minutes, so these are parsed only)."""
+    """Every `python -m bench ...` that README.md or docs/ show parses with the command's flags
+    (tests/docs/test_docs.py runs the `minimind-*` commands; a full benchmark takes minutes, so these are parsed
+    only)."""
     shown = []
     for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
         with open(path, encoding="utf-8") as doc:

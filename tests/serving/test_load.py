@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import model_dir, torch_threads
+from conftest import model_dir
 from minimind.chat import load_model_and_tokenizer
 from minimind.serving import Generator, ServerLimits, create_app, serve_in_thread
 
@@ -23,12 +23,9 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One intra-op thread: on 2 cores that other jobs keep busy, a second one makes each decode step ~10x slower
-    (its OpenMP workers wait for a core) and the timings say nothing about the server."""
-    with torch_threads(1):
-        yield
+# One intra-op thread: on 2 cores that other jobs keep busy, a second one makes each decode step ~10x slower
+# (its OpenMP workers wait for a core) and the timings say nothing about the server.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from conftest import load_script  # noqa: E402
+from conftest import TOKENIZER_DIR, load_script  # noqa: E402
 from minimind.tokenizer import (  # noqa: E402
     CHAT_TEMPLATE,
     QWEN2_PRETOKENIZE_REGEX,
@@ -18,8 +18,6 @@ from minimind.tokenizer import (  # noqa: E402
     load_tokenizer,
     save_tokenizer,
 )
-
-TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "tokenizer"
 
 EXPECTED_IDS = {
     "<|endoftext|>": 0,
@@ -53,7 +51,7 @@ TRICKY = [
 
 @pytest.fixture(scope="module")
 def tok():
-    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 def roundtrip(tok, text):
@@ -75,16 +73,16 @@ def test_think_and_tool_tokens_survive_skip_special(tok):
 
 
 def test_config_files_are_cross_version():
-    config = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config = json.loads(Path(TOKENIZER_DIR, "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert config["chat_template"] == CHAT_TEMPLATE
-    assert (TOKENIZER_DIR / "chat_template.jinja").read_text(encoding="utf-8") == CHAT_TEMPLATE
+    assert Path(TOKENIZER_DIR, "chat_template.jinja").read_text(encoding="utf-8") == CHAT_TEMPLATE
     assert not isinstance(config.get("extra_special_tokens"), list)
     assert config["clean_up_tokenization_spaces"] is False
 
 
 def test_pipeline_is_qwen2_style():
-    state = json.loads((TOKENIZER_DIR / "tokenizer.json").read_text(encoding="utf-8"))
+    state = json.loads(Path(TOKENIZER_DIR, "tokenizer.json").read_text(encoding="utf-8"))
     assert state["normalizer"] is None
     split, byte_level = state["pre_tokenizer"]["pretokenizers"]
     assert split["type"] == "Split" and split["behavior"] == "Isolated"

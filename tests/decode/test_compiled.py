@@ -1,12 +1,12 @@
 """`minimind.decode.CompiledDecoder` against `model.generate` on tiny models: the same tokens, greedy and sampled,
 with the same stopping rules; compiled (fp32, one row and a server's rows) as well as eager. Which kernels the
-compiled steps run (each CPU maker's fp32 table, bf16, int8): tests/test_decode_kernels.py."""
+compiled steps run (each CPU maker's fp32 table, bf16, int8): tests/decode/test_kernels.py."""
 
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from conftest import tiny_model
+from conftest import BATCH, NO_EOS, PROMPT, batch_reference, greedy, reference, tiny_model
 from minimind.decode import (
     CACHE_BUCKET,
     GROUPED_QUERY_SDPA,
@@ -18,24 +18,6 @@ from minimind.decode import (
     fp32_product_kernel,
     grouped_query_sdpa,
 )
-
-PROMPT = torch.tensor([[5, 17, 3, 42, 8, 11, 29]])
-NO_EOS = 96  # an id these runs never produce, so both sides run to max_new_tokens (the tiny config's eos is 2)
-
-
-def reference(model, new, **kwargs):
-    with torch.no_grad():
-        return model.generate(
-            PROMPT,
-            attention_mask=torch.ones_like(PROMPT),
-            max_new_tokens=new,
-            pad_token_id=0,
-            **{"eos_token_id": NO_EOS, **kwargs},
-        )
-
-
-def greedy(**kwargs):
-    return dict(do_sample=False, temperature=None, top_p=None, top_k=None, **{"eos_token_id": NO_EOS, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +149,6 @@ def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
         PROMPT, max_new_tokens=20, stopping_criteria=StoppingCriteriaList([AfterThree()]), **greedy()
     )
     assert torch.equal(out, plain[:, : PROMPT.shape[1] + 3])
-
-
-BATCH = torch.tensor([[5, 17, 3, 42, 8, 11, 29], [9, 9, 1, 2, 60, 7, 7], [33, 4, 4, 81, 12, 5, 70]])
-
-
-def batch_reference(model, new, batch=BATCH, **kwargs):
-    with torch.no_grad():
-        return model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new, **kwargs)
 
 
 def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
