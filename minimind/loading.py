@@ -181,10 +181,9 @@ def weight_mismatches(directory: Path, config: MiniMindConfig) -> list[str]:
     return problems
 
 
-def load_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, hub: bool = True):
-    """A `MiniMindForCausalLM` (eval mode, on the CPU) from a checked MiniMind directory or Hub id."""
-    from modeling_minimind import MiniMindForCausalLM
-
+def check_model_directory(name_or_path: str | Path, *, hub: bool = True) -> tuple[Path, MiniMindConfig]:
+    """(directory, config) of a MiniMind checkpoint whose config.json matches its weights; an InputError otherwise.
+    Reads no tensor data."""
     directory = model_directory(name_or_path, hub=hub)
     config = read_minimind_config(directory)
     if problems := weight_mismatches(directory, config):
@@ -193,6 +192,14 @@ def load_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, 
             "restore the config.json saved with these weights; a model loaded this way would be "
             "partly random"
         )
+    return directory, config
+
+
+def load_model(name_or_path: str | Path, *, dtype: torch.dtype = torch.float32, hub: bool = True):
+    """A `MiniMindForCausalLM` (eval mode, on the CPU) from a checked MiniMind directory or Hub id."""
+    from modeling_minimind import MiniMindForCausalLM
+
+    directory, config = check_model_directory(name_or_path, hub=hub)
     return MiniMindForCausalLM.from_pretrained(directory, config=config, dtype=dtype).eval()
 
 

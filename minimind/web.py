@@ -89,10 +89,7 @@ def model_choices(paths: list[str]) -> dict[str, str]:
     config.json matches its weights), so a bad one stops the command at start with one line."""
     directories = []
     for path in dict.fromkeys(paths):
-        directory = loading.model_directory(path)
-        config = loading.read_minimind_config(directory)
-        if problems := loading.weight_mismatches(directory, config):
-            raise InputError(f"{directory}: config.json does not match the weights ({'; '.join(problems)})")
+        directory, _ = loading.check_model_directory(path)
         directories.append((path, directory.resolve()))
     for depth in range(1, max((len(resolved.parts) for _, resolved in directories), default=1) + 1):
         names = {path: "/".join(resolved.parts[-depth:]) for path, resolved in directories}
