@@ -238,7 +238,7 @@ def run_training(main, name, argv, workspace):
 
 def run_command(program, argv, workspace, monkeypatch, capfd):
     main = command_function(program)
-    name = main.__name__ if main.__module__ == "minimind.cli" else program[len("scripts/") : -len(".py")]
+    name = main.__name__ if main.__module__.startswith("minimind.cli") else program[len("scripts/") : -len(".py")]
     if argv == ("--help",):
         with pytest.raises(SystemExit) as exit_info:
             main(list(argv))

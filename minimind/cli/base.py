@@ -1,0 +1,31 @@
+"""What every command shares: `command` (bad input ends it in one line, exit 2) and the argument parser."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+
+def command(run):
+    """A command line: bad input (`minimind.errors.InputError`: a path, a data line, a checkpoint) ends it with the
+    message alone and exit code 2, no traceback. Called with
+    `argv` it returns what the command made; run as a program (argv=None) it returns None, because console
+    scripts hand the return value to sys.exit, where anything else becomes an error exit."""
+
+    @functools.wraps(run)
+    def main(argv=None):
+        from minimind.errors import InputError
+
+        try:
+            result = run(argv)
+        except InputError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+        return result if argv is not None else None
+
+    return main
+
+
+def make_parser(doc):
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
