@@ -32,7 +32,8 @@ def quick_run(tmp_path_factory):
     return output.read_text()
 
 
-def test_quick_run_writes_every_row_with_machine_details(quick_run):
+def test_quick_run_writes_every_row(quick_run):
+    """A quick run writes every row, with the machine's details."""
     header, body = _table_rows(quick_run)
     assert header == TABLE_COLUMNS
     assert [row[0] for row in body] == [w.row_id for w in default_workloads(quick=True, device_type="cpu")]
@@ -54,7 +55,8 @@ def test_quick_run_writes_every_row_with_machine_details(quick_run):
         assert "%" in cells["ours GFLOP/s (% of ceiling)"] and "iB" in cells["peak mem ours / native"]
 
 
-def test_kv_cache_bytes_equal_the_formula_on_every_decode_row(quick_run):
+def test_kv_cache_bytes_match_the_formula(quick_run):
+    """KV cache bytes equal the formula on every decode row."""
     header, body = _table_rows(quick_run)
     decode_rows = [dict(zip(header, row)) for row in body if row[0].startswith("decode") and row[7] != "skipped"]
     assert len(decode_rows) >= 6
@@ -78,7 +80,7 @@ def test_flop_count_covers_every_decoder_weight():
     assert matmul_params_per_token(ours.config) == layer_weights
 
 
-def test_rows_filter_takes_globs_and_rejects_unknown_rows():
+def test_rows_filter_takes_globs_rejects_unknown():
     rows = default_workloads(quick=True, device_type="cpu")
     assert {w.row_id for w in select_workloads(rows, ["decode-static-*"])} == {
         "decode-static-b1-64M",
@@ -89,7 +91,8 @@ def test_rows_filter_takes_globs_and_rejects_unknown_rows():
         select_workloads(rows, ["no-such-row"])
 
 
-def test_profile_logs_op_tables_and_a_partial_report_follows_each_row():
+def test_profile_logs_op_tables_per_row():
+    """--profile logs op tables, and a partial report follows each row."""
     logged, partial = [], []
     settings = BenchmarkSettings(
         device="cpu", quick=True, rows=["decode-dynamic-b1-64M", "prefill-*"], profile=["prefill-*"]
@@ -106,7 +109,7 @@ def test_profile_logs_op_tables_and_a_partial_report_follows_each_row():
     assert all("aten::mm" in p and "# of Calls" in p for p in profiles)
 
 
-def test_cpu_features_name_the_vector_and_matrix_extensions():
+def test_cpu_features_name_vector_matrix_extensions():
     xeon = {"fma", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
     assert cpu_features(xeon) == "AVX2, AVX-512 (bf16, VNNI), AMX (bf16, int8)"
     assert cpu_features({"fma", "avx2", "avx512f"}) == "AVX2, AVX-512"

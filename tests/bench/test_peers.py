@@ -55,7 +55,8 @@ def peers_run(tmp_path_factory):
     return report, output.read_text()
 
 
-def test_table_has_every_peer_row_in_order_and_keeps_the_main_table(peers_run):
+def test_table_has_peer_rows_in_order(peers_run):
+    """The table has every peer row in order and keeps the main table."""
     report, text = peers_run
     assert isinstance(report, PeersReport)
     # The machine named once at the top, the main table untouched before the peers, the hand-written notes last.
@@ -90,7 +91,8 @@ def test_llama_cpp_rows_run_or_say_why_not(peers_run):
             assert r["notes"] == "n_threads 1" and float(r["tok/s"].replace(",", "")) > 0
 
 
-def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
+def test_greedy_counts_reported_f32_matches_fp32(peers_run):
+    """Greedy token counts are reported, and f32 matches MiniMind fp32."""
     report, text = peers_run
     _, rows = _table(text)
     decode = {r["row"]: r for r in rows if "-decode-" in r["row"] and not r["notes"].startswith("skipped")}
@@ -154,7 +156,7 @@ def test_greedy_token_counts_are_reported_and_f32_matches_fp32(peers_run):
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
-def test_compiled_decode_rows_describe_their_kernels(weights):
+def test_compiled_rows_describe_their_kernels(weights):
     """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
     until the row runs)."""
     from bench.peers import _compiled_decode, _minimind_greedy
@@ -183,7 +185,8 @@ def test_compiled_decode_rows_describe_their_kernels(weights):
         )
 
 
-def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losses(peers_run):
+def test_padded_and_packed_sft_losses_match(peers_run):
+    """Padded and packed SFT train on the same real tokens with the same losses."""
     report, _ = peers_run
     padded, packed = report.row("peers-sft-512-padded"), report.row("peers-sft-512-packed")
     assert len(padded.losses) == len(packed.losses) == 2
@@ -205,7 +208,7 @@ def test_padded_and_packed_sft_train_on_the_same_real_tokens_with_the_same_losse
     assert "torch.compile, first step (compilation)" in compiled.note
 
 
-def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
+def test_bandwidth_floor_uses_exact_weight_bytes(peers_run, tmp_path):
     report, text = peers_run
     ctx = PeerContext(BenchmarkSettings(quick=True), str(tmp_path), threads=1, log=lambda line: None)
     config = ctx.config
@@ -254,7 +257,8 @@ def test_bandwidth_floor_uses_the_exact_weight_bytes(peers_run, tmp_path):
             assert r["bandwidth floor tok/s (share)"].startswith(f"{floor:,.1f} (")
 
 
-def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
+def test_rows_select_peers_in_one_namespace():
+    """--rows selects peer rows; both tables share one namespace of row names."""
     assert [w.row_id for w in select_workloads(peer_workloads(), ["peers-*-llamacpp-q8_0"])] == [
         "peers-decode-llamacpp-q8_0",
         "peers-decode-b8-llamacpp-q8_0",
@@ -273,7 +277,7 @@ def test_rows_select_peer_rows_and_both_tables_share_one_namespace():
         run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["no-such-row"]))
 
 
-def test_a_run_rewrites_its_own_section_and_keeps_the_others():
+def test_run_rewrites_only_its_own_section():
     machine, peers = {"cpu": "X", "cores": 2}, "## Peers\n\n| row |\n|---|\n| peers-x |\n"
     newer = peers.replace("peers-x", "peers-y")
     old = document(machine, MAIN_SECTION, peers, HAND_SECTION) + "\n"
@@ -292,7 +296,8 @@ def test_a_run_rewrites_its_own_section_and_keeps_the_others():
     assert merge_results(old, document(other, newer)) == (document(other, newer, HAND_SECTION) + "\n", [MAIN_TITLE])
 
 
-def test_main_run_rewrites_its_part_and_leaves_the_peers_section(tmp_path, monkeypatch):
+def test_main_run_leaves_the_peers_section(tmp_path, monkeypatch):
+    """The main run rewrites its part and leaves the peers' section."""
     import bench.__main__
 
     machine, new_main = machine_details(), f"## {MAIN_TITLE}\n\nnew main table\n"
@@ -314,7 +319,7 @@ def test_main_run_rewrites_its_part_and_leaves_the_peers_section(tmp_path, monke
     assert output.read_text() == document(machine, new_main, section, HAND_SECTION) + "\n"
 
 
-def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
+def test_serve_rows_count_reported_tokens(peers_run):
     report, text = peers_run
     for suffix, weights in (("", "fp32"), ("-bf16", "bf16"), ("-compiled", "fp32")):
         for clients in (1, 8):
@@ -338,7 +343,8 @@ def test_serve_rows_count_the_tokens_the_server_reports(peers_run):
 
 
 @pytest.mark.skipif(bool(serving_missing()), reason=serving_missing() or "")
-def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(monkeypatch):
+def test_serve_rows_take_turns_on_one_server(monkeypatch):
+    """Serve rows take turns on one server, and a short round keeps its rate."""
     import contextlib
     import types
 
@@ -386,7 +392,7 @@ def test_serve_rows_take_turns_on_one_server_and_a_short_round_keeps_its_rate(mo
     assert paired_ratio(eight, one) == (8.0, 61 / 8, 8.0)
 
 
-def test_rows_are_timed_in_rounds_and_compared_within_each_round():
+def test_rows_are_timed_and_compared_in_rounds():
     calls, closed = [], []
 
     def prepared(name, fail_at=None):

@@ -23,7 +23,8 @@ CHROMIUM = "/usr/bin/chromium"
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_reply_with_reasoning_is_a_folded_thought_then_the_answer():
+def test_reasoning_folds_before_the_answer():
+    """A reply with reasoning is a folded thought, then the answer."""
     reply = "<think>\nThree plus four: count on from three.\n</think>\n\nIt is 7."
     assert reply_messages(reply) == [
         {
@@ -35,7 +36,7 @@ def test_reply_with_reasoning_is_a_folded_thought_then_the_answer():
     ]
 
 
-def test_streaming_reasoning_stays_open_until_the_answer_starts():
+def test_streamed_thought_stays_open_until_answer():
     thinking = reply_messages("<think>\nCount on", finished=False)
     assert thinking == [
         {"role": "assistant", "content": "Count on", "metadata": {"title": THINKING_TITLE, "status": "pending"}}
@@ -55,7 +56,8 @@ def test_reply_without_reasoning_is_one_message():
     assert reply_messages(" It is 7.\n") == [{"role": "assistant", "content": "It is 7."}]
 
 
-def test_conversation_from_page_history_keeps_reasoning_and_adds_the_system_prompt():
+def test_page_history_keeps_reasoning():
+    """The conversation built from the page's history keeps the reasoning and adds the system prompt."""
     # History as Gradio 6 hands it to the chat function: content as typed parts, thoughts with a title.
     thought = {"title": THINKING_TITLE, "status": "done"}
     history = [
@@ -119,7 +121,8 @@ def test_stream_reply_ends_with_the_greedy_reply(chat_model_dir):
     assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
 
 
-def test_stream_reply_without_thinking_answers_after_an_empty_think_block(chat_model_dir):
+def test_no_thinking_answers_after_empty_think(chat_model_dir):
+    """stream_reply without thinking answers after an empty think block."""
     model, tokenizer = load_model_and_tokenizer(chat_model_dir, device="cpu")
     messages = [{"role": "user", "content": "hello"}]
     greedy = SamplingParams(max_new_tokens=12, do_sample=False)
@@ -129,7 +132,8 @@ def test_stream_reply_without_thinking_answers_after_an_empty_think_block(chat_m
     assert expected != greedy_reply(chat_model_dir, messages, 12)  # the prompt did change
 
 
-def test_stream_reply_refuses_a_conversation_that_fills_the_context(chat_model_dir):
+def test_stream_reply_refuses_a_full_context(chat_model_dir):
+    """stream_reply refuses a conversation that fills the context."""
     model, tokenizer = load_model_and_tokenizer(chat_model_dir, device="cpu")
     messages = [{"role": "user", "content": "hello " * model.config.max_position_embeddings}]
     with pytest.raises(ValueError, match=r"fills the model's 256-token context"):
@@ -200,7 +204,7 @@ def browser_missing():
     return None
 
 
-def test_web_command_starts_the_page_with_its_flags(chat_model_dir, thinking_model_dir, monkeypatch, capsys):
+def test_command_starts_page_with_its_flags(chat_model_dir, thinking_model_dir, monkeypatch, capsys):
     pytest.importorskip("gradio")
     import minimind.web
 
@@ -246,7 +250,8 @@ def test_web_command_starts_the_page_with_its_flags(chat_model_dir, thinking_mod
 
 
 @pytest.mark.parametrize("auth, warned", [(None, True), ("me:secret", False)])
-def test_web_command_on_an_open_host_warns_without_auth(chat_model_dir, monkeypatch, capsys, auth, warned):
+def test_open_host_without_auth_warns(chat_model_dir, monkeypatch, capsys, auth, warned):
+    """The web command on an open host warns when no auth is set."""
     pytest.importorskip("gradio")
     import minimind.web
 
@@ -270,14 +275,16 @@ def test_web_command_on_an_open_host_warns_without_auth(chat_model_dir, monkeypa
 
 
 @pytest.mark.parametrize("auth", ["me", "me:", ":secret"])
-def test_web_command_refuses_an_auth_without_user_and_password(chat_model_dir, capsys, auth):
+def test_auth_needs_user_and_password(chat_model_dir, capsys, auth):
+    """The web command refuses an auth without both user and password."""
     with pytest.raises(SystemExit) as exited:
         load_script("web_demo").main(["--model_name_or_path", chat_model_dir, "--auth", auth])
     assert exited.value.code == 2
     assert capsys.readouterr().err.endswith("error: --auth takes USER:PASSWORD, both non-empty\n")
 
 
-def test_page_endpoints_refuse_any_path_and_run_no_code_from_it(chat_model_dir, tmp_path):
+def test_endpoints_refuse_paths_and_run_no_code(chat_model_dir, tmp_path):
+    """The page's endpoints refuse any path and run no code from it."""
     pytest.importorskip("gradio")
     from gradio_client import Client
 
@@ -302,7 +309,8 @@ def test_page_endpoints_refuse_any_path_and_run_no_code_from_it(chat_model_dir, 
     assert not marker.exists()
 
 
-def test_page_names_no_server_path_when_a_model_cannot_be_loaded(chat_model_dir, thinking_model_dir, tmp_path, caplog):
+def test_load_failure_names_no_server_path(chat_model_dir, thinking_model_dir, tmp_path, caplog):
+    """When a model cannot be loaded, the page names no path on the server."""
     from minimind.web import LoadedModel, UnknownModel, model_choices
 
     copy = tmp_path / "copy"
@@ -388,7 +396,8 @@ def assert_bot_texts(page, expected, timeout=5.0):
 
 
 @pytest.mark.skipif(browser_missing() is not None, reason=browser_missing() or "")
-def test_page_in_browser_streams_greedy_replies_and_folds_thinking(chat_model_dir, thinking_model_dir):
+def test_browser_streams_and_folds_thinking(chat_model_dir, thinking_model_dir):
+    """In a browser the page streams the greedy replies and folds the thinking."""
     from playwright.sync_api import expect, sync_playwright
 
     port, max_new_tokens = free_port(), 12

@@ -34,7 +34,7 @@ def prompt():
     return torch.tensor([[1, 5, 17, 42, 8, 64, 3]])
 
 
-def test_reload_through_auto_classes_uses_the_checkpoint_code(checkpoint, reloaded):
+def test_auto_class_reload_uses_checkpoint_code(checkpoint, reloaded):
     path, original = checkpoint
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     assert type(config).__name__ == "MiniMindConfig" and config.tie_word_embeddings
@@ -55,7 +55,7 @@ def test_cached_generation_equals_uncached(reloaded, cache_implementation):
     assert len(set(cached[0, prompt().shape[1] :].tolist())) > 1  # a degenerate repeat would prove little
 
 
-def test_left_padded_batch_generates_like_single_prompts(reloaded):
+def test_left_padded_batch_matches_single_prompts(reloaded):
     short = torch.tensor([[1, 9, 33]])
     batch = torch.tensor([[0, 0, 0, 0, 1, 9, 33], prompt()[0].tolist()])
     mask = (torch.arange(7) >= torch.tensor([[4], [0]])).long()
@@ -128,7 +128,7 @@ def test_lora_trains_saves_and_reloads(checkpoint, tmp_path):
         torch.testing.assert_close(restored.merge_and_unload()(input_ids=prompt()).logits, expected)
 
 
-def test_outputs_are_captured_and_packed_rows_stay_apart(reloaded):
+def test_outputs_captured_and_packed_rows_apart(reloaded):
     """The output-capture decorator (check_model_inputs in 4.57, capture_outputs in 5.x) and the mask
     utilities' packed-row detection, through the checkpoint's code."""
     reloaded.set_attn_implementation("eager")
@@ -144,7 +144,7 @@ def test_outputs_are_captured_and_packed_rows_stay_apart(reloaded):
     torch.testing.assert_close(packed.logits[0, 4:], alone.logits[0], atol=1e-5, rtol=1e-5)
 
 
-def test_moe_records_router_logits_and_adds_the_aux_loss(tmp_path):
+def test_moe_records_router_logits_and_aux_loss(tmp_path):
     path = tmp_path / "moe"
     tiny_model(std=0.2, use_moe=True, num_experts=4, num_experts_per_tok=2).save_pretrained(path)
     moe = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)

@@ -33,7 +33,7 @@ def test_cache_lengths_round_up_to_the_bucket():
     ]
 
 
-def test_grouped_query_sdpa_attends_the_cache_uncopied_and_equals_transformers_sdpa(model, monkeypatch):
+def test_grouped_sdpa_equals_transformers_sdpa(model, monkeypatch):
     """One query position: the same output as transformers' SDPA kernel (which copies each key/value head to every
     query head it serves), without that copy; several positions go to transformers' kernel unchanged."""
     import transformers.integrations.sdpa_attention as sdpa
@@ -58,7 +58,7 @@ def test_grouped_query_sdpa_attends_the_cache_uncopied_and_equals_transformers_s
         grouped_query_sdpa(layer, query.repeat(1, 1, 2, 1), key, value, mask.repeat(1, 1, 2, 1), scaling=0.25)
 
 
-def test_grouped_query_sdpa_reads_the_cache_only_up_to_the_last_position_a_row_sees(model):
+def test_grouped_sdpa_reads_only_seen_positions(model):
     """A static cache is longer than what has been written. Poisoned with NaN past the last position any row sees,
     transformers' kernel returns NaN (a masked value still enters the weighted sum as 0 x NaN); the grouped one
     equals transformers' on the clean cache."""
@@ -84,7 +84,8 @@ def test_grouped_query_sdpa_reads_the_cache_only_up_to_the_last_position_a_row_s
     assert not _attends_written_part(mask.to("meta")) and not _attends_written_part(None)
 
 
-def test_decode_steps_attend_through_the_grouped_kernel_and_leave_the_model_as_it_was(model, monkeypatch):
+def test_steps_use_grouped_kernel(model, monkeypatch):
+    """Decode steps attend through the grouped kernel and leave the model as it was."""
     from transformers import AttentionInterface
 
     calls = []
@@ -105,7 +106,7 @@ def test_decode_steps_attend_through_the_grouped_kernel_and_leave_the_model_as_i
     assert CompiledDecoder(eager, compile=False).step_attention == "eager"  # a model's own non-SDPA kernel stays
 
 
-def test_eager_loop_gives_generates_greedy_tokens(model):
+def test_eager_loop_matches_greedy_generate(model):
     out = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=40, **greedy())
     assert out.shape == (1, PROMPT.shape[1] + 40)
     assert torch.equal(out, reference(model, 40, **greedy()))
@@ -132,7 +133,8 @@ def test_eager_loop_samples_as_generate_does(model, sampling):
     )
 
 
-def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
+def test_eos_and_stopping_criteria_end_reply(model):
+    """eos and stopping criteria end the reply as in generate."""
     decoder = CompiledDecoder(model, compile=False)
     plain = decoder.generate(PROMPT, max_new_tokens=20, **greedy())
     eos = int(plain[0, PROMPT.shape[1] + 5])
@@ -151,7 +153,8 @@ def test_eos_and_stopping_criteria_end_the_reply_as_in_generate(model):
     assert torch.equal(out, plain[:, : PROMPT.shape[1] + 3])
 
 
-def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
+def test_batch_rows_end_at_eos_padded_as_generate(model):
+    """A batch ends rows at eos and pads them as generate does."""
     decoder = CompiledDecoder(model, compile=False)
     plain = decoder.generate(BATCH, max_new_tokens=16, **greedy())
     assert torch.equal(plain, batch_reference(model, 16, pad_token_id=0, **greedy()))
@@ -177,7 +180,7 @@ def test_a_batch_ends_rows_at_eos_and_pads_them_as_generate_does(model):
     assert out.shape == (3, BATCH.shape[1] + 3)
 
 
-def test_streamer_receives_the_prompt_then_each_token(model):
+def test_streamer_gets_prompt_then_each_token(model):
     from conftest import TOKENIZER_DIR
     from minimind.tokenizer import load_tokenizer
 
@@ -206,7 +209,7 @@ def test_refuses_what_it_does_not_cover(model):
         CompiledDecoder(tiny_model().train())
 
 
-def test_a_step_that_cannot_compile_falls_back_to_the_eager_step_with_a_warning(model):
+def test_failed_compile_warns_and_runs_eager(model):
     """A machine without a C++ compiler fails inside inductor at the first decode step; the reply goes on."""
     decoder = CompiledDecoder(model)
 
@@ -245,7 +248,7 @@ def poison_unwritten_positions(decoder, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_fp32_equals_generate_and_reuses_its_graph(model, monkeypatch):
+def test_compiled_fp32_equals_generate(model, monkeypatch):
     """Also: one graph serves every step of a bucket although each step attends a different length of the cache,
     and no step reads past the positions written."""
     decoder = CompiledDecoder(model)
@@ -322,12 +325,14 @@ def alone(model, prompt, new):
     return out[0, len(prompt) :].tolist()
 
 
-def test_rows_at_their_own_positions_each_decode_as_their_prompt_alone(model):
+def test_rows_at_own_positions_decode_as_alone(model):
+    """Rows at their own positions each decode as their prompt alone."""
     rows = decode_rows_as_a_server_does(RowDecoder(model, compile=False), model)
     assert rows == [alone(model, prompt, len(tokens)) for prompt, tokens in zip(ROW_PROMPTS, rows)]
 
 
-def test_a_row_cache_views_its_first_rows_and_moves_a_sequence_between_rows(model):
+def test_row_cache_views_rows_and_moves_sequences(model):
+    """A row cache views its first rows and moves a sequence between rows."""
     config = model.config
     cache = RowCache(config, rows=4, length=16, dtype=torch.float32, device="cpu")
     cache.keys.normal_()
@@ -342,7 +347,8 @@ def test_a_row_cache_views_its_first_rows_and_moves_a_sequence_between_rows(mode
 
 
 @pytest.mark.slow
-def test_compiled_row_steps_equal_generate_with_one_graph_per_batch_size(model, monkeypatch):
+def test_row_steps_equal_generate(model, monkeypatch):
+    """Compiled row steps equal generate, with one graph per batch size."""
     decoder = RowDecoder(model)
     poison_unwritten_positions(decoder, monkeypatch)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]

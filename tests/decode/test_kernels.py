@@ -24,7 +24,8 @@ def greedy_gap(model, ids, prompt_length):
 
 
 @pytest.mark.slow
-def test_compiled_bf16_with_frozen_weights_decodes_greedily():
+def test_bf16_frozen_weights_decode_greedily():
+    """Compiled bf16 with frozen weights decodes greedily."""
     model = tiny_model(std=0.3).to(torch.bfloat16)
     decoder = CompiledDecoder(model)
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
@@ -62,7 +63,7 @@ class RecordProducts:
 
 
 @pytest.mark.slow
-def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own():
+def test_step_merges_projections():
     """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
     down) and the LM head, against 7 per layer unmerged. The two decoders share no dynamo cache: with one graph
     allowed per code object both compile, and their graphs, frozen weights included, go with them."""
@@ -89,14 +90,15 @@ def test_compiled_step_merges_projections_and_each_decoder_compiles_on_its_own()
     assert alive() is None
 
 
-def test_fp32_products_take_the_kernel_measured_fastest_for_their_rows_on_each_cpu_maker():
+def test_fp32_products_take_fastest_kernel():
+    """fp32 products take the kernel measured fastest for their row count on each CPU maker."""
     rows = (1, 2, 3, 4, 8, 16)
     assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
     assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
     assert fp32_products.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
 
 
-def test_cpu_vendor_reads_cpuinfo_then_the_platform_string(monkeypatch):
+def test_cpu_vendor_from_cpuinfo_then_platform(monkeypatch):
     import io
 
     cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
@@ -134,7 +136,7 @@ def fp32_products_of_steps(model, monkeypatch, intel, batch):
 
 
 @pytest.mark.slow
-def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_with_onednn(model, monkeypatch):
+def test_fp32_step_kernels_on_intel(model, monkeypatch):
     """The Intel table. fp32 at batch 1: every product is ATen's plain one (no packed MKL linear left) and a step
     copies nothing; at batch 4 every product is oneDNN's packed one. Tokens are generate's either way."""
     from torch.profiler import profile
@@ -175,7 +177,7 @@ def test_fp32_steps_multiply_one_row_unpacked_without_copying_it_and_four_rows_w
 
 
 @pytest.mark.slow
-def test_fp32_steps_on_amd_multiply_one_row_in_inductors_template_and_two_rows_with_onednn(model, monkeypatch):
+def test_fp32_step_kernels_on_amd(model, monkeypatch):
     """The table for other makers (AMD), where MKL runs slow. At batch 1 the packed products are left for inductor,
     which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product); at batch 2 every
     product is oneDNN's packed one. Tokens are generate's either way."""
@@ -187,7 +189,8 @@ def test_fp32_steps_on_amd_multiply_one_row_in_inductors_template_and_two_rows_w
     assert "micro_gemm" in code and "mm_out" not in code and "_mkl_linear" not in code
 
 
-def test_int8_weights_quantize_every_decoder_projection_per_row():
+def test_int8_quantizes_every_projection_per_row():
+    """int8 weights quantize every decoder projection per row."""
     pytest.importorskip("torchao")
     from minimind.decode import quantize_weights_int8
 
@@ -218,7 +221,8 @@ def test_int8_weights_quantize_every_decoder_projection_per_row():
     assert model.lm_head.weight.dtype == torch.bfloat16
 
 
-def test_int8_weights_refuse_fp32_and_name_torchao_when_missing(monkeypatch):
+def test_int8_refuses_fp32_and_needs_torchao(monkeypatch):
+    """int8 weights refuse fp32, and name torchao when it is missing."""
     from minimind.decode import quantize_weights_int8
 
     with pytest.raises(
@@ -237,7 +241,7 @@ def test_int8_weights_refuse_fp32_and_name_torchao_when_missing(monkeypatch):
 
 
 @pytest.mark.slow
-def test_compiled_int8_decodes_as_the_eager_int8_model():
+def test_compiled_int8_decodes_as_eager_int8():
     pytest.importorskip("torchao")
     from minimind.decode import quantize_weights_int8
 

@@ -32,7 +32,8 @@ def toy_run(tmp_path_factory):
     return out, load_script("demo").main(["--output_dir", str(out), *TOY])
 
 
-def test_toy_demo_trains_saves_reloads_and_checks_every_answer(toy_run):
+def test_trains_saves_reloads_and_checks_answers(toy_run):
+    """The toy demo trains, saves, reloads and checks every answer."""
     out, result = toy_run
     # Both phases learn. Measured: pretraining 8.72 -> 8.21 in 12 steps, SFT 8.40 -> 8.01 in 8 steps.
     (_, first), *_, (last_step, last) = result.pretrain_losses

@@ -329,7 +329,7 @@ def test_documented_command_runs(program, argv, in_workspace, monkeypatch, capfd
     run_command(program, argv, in_workspace, monkeypatch, capfd)
 
 
-def test_every_documented_model_path_is_written_by_the_demo_or_a_command_shown_before_it():
+def test_documented_model_paths_are_written_first():
     """A model directory that README.md or docs/ pass to a command is one `make demo` writes or one an earlier
     documented command writes (its --output_dir), so a reader who runs them in order finds every path."""
     import minimind.demo

@@ -89,7 +89,7 @@ def _special_ids(gen_kwargs):
     return gen_kwargs["pad_token_id"], gen_kwargs["eos_token_id"]
 
 
-def test_chat_defaults_sample_with_the_documented_settings(chat_dir, monkeypatch, capsys):
+def test_chat_samples_with_documented_defaults(chat_dir, monkeypatch, capsys):
     out, calls = _run_chat(monkeypatch, capsys, ["--model_name_or_path", chat_dir], ["Hi"], generate_for_real=False)
     [(model, input_ids, gen_kwargs, _)] = calls
     # --temperature 0.7, --top_p 0.9 and --top_k 0 (no top-k filter) unless chosen; the default 512 new tokens
@@ -103,7 +103,7 @@ def test_chat_defaults_sample_with_the_documented_settings(chat_dir, monkeypatch
     assert _run_chat.paths == ["compiled"]  # the compiled decoder by default
 
 
-def test_chat_no_compile_uses_generate_with_the_same_arguments(chat_dir, monkeypatch, capsys):
+def test_chat_no_compile_uses_same_generate_args(chat_dir, monkeypatch, capsys):
     argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4"]
     _, default = _run_chat(monkeypatch, capsys, argv, ["Hello"], compile_step=True)
     assert _run_chat.paths == ["compiled"]
@@ -113,7 +113,8 @@ def test_chat_no_compile_uses_generate_with_the_same_arguments(chat_dir, monkeyp
     assert torch.equal(default[0][3], plain[0][3])  # the same greedy reply
 
 
-def test_chat_int8_loads_int8_decoder_weights_in_bfloat16(chat_dir, monkeypatch, capsys):
+def test_chat_int8_loads_int8_weights_in_bf16(chat_dir, monkeypatch, capsys):
+    """--int8 loads int8 decoder weights in bfloat16."""
     pytest.importorskip("torchao")
     argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4", "--int8", "--no-compile"]
     _, [(model, _, _, reply)] = _run_chat(monkeypatch, capsys, argv, ["Hello"])
@@ -147,7 +148,7 @@ def test_chat_sampling_flags_reach_generate(chat_dir, monkeypatch, capsys):
     assert 0 < ids.shape[1] - input_ids.shape[1] <= 3
 
 
-def test_chat_no_do_sample_prints_the_greedy_reply_of_each_turn(chat_dir, monkeypatch, capsys):
+def test_chat_no_do_sample_prints_greedy_replies(chat_dir, monkeypatch, capsys):
     """`--no-do_sample` is greedy decoding: the printed replies are exactly the independently loaded model's
     greedy tokens for the whole conversation so far, and the second turn's prompt carries the first exchange."""
     from minimind.tokenizer import load_tokenizer
@@ -186,7 +187,7 @@ def test_chat_no_do_sample_prints_the_greedy_reply_of_each_turn(chat_dir, monkey
         messages.append({"role": "assistant", "content": reply})
 
 
-def test_chat_reset_drops_the_conversation_but_keeps_the_system_prompt(chat_dir, monkeypatch, capsys):
+def test_chat_reset_keeps_only_the_system_prompt(chat_dir, monkeypatch, capsys):
     from minimind.tokenizer import load_tokenizer
 
     argv = [
@@ -207,7 +208,7 @@ def test_chat_reset_drops_the_conversation_but_keeps_the_system_prompt(chat_dir,
     assert calls[1][1][0].tolist() == fresh
 
 
-def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_token_more(tmp_path, monkeypatch, capsys):
+def test_chat_fills_context_exactly_and_no_more(tmp_path, monkeypatch, capsys):
     """docs/ecosystem-serve.md: the prompt gets the context minus room for the reply (max_new_tokens, at most half
     the context); a single message too long for that is refused with a note."""
     from minimind.tokenizer import load_tokenizer
@@ -230,7 +231,8 @@ def test_chat_takes_a_message_that_exactly_fills_the_context_and_refuses_one_tok
 
 
 @pytest.mark.parametrize("flash_attn, kernel", [(True, "sdpa"), (False, "eager")])
-def test_flash_attn_picks_the_kernel_and_survives_a_reload(flash_attn, kernel, tmp_path):
+def test_flash_attn_kernel_survives_reload(flash_attn, kernel, tmp_path):
+    """flash_attn picks the attention kernel, and the choice survives a reload."""
     model = tiny_model(std=0.1, flash_attn=flash_attn)
     assert model.config._attn_implementation == kernel
     model.save_pretrained(tmp_path)
@@ -238,7 +240,8 @@ def test_flash_attn_picks_the_kernel_and_survives_a_reload(flash_attn, kernel, t
     assert reloaded.config.flash_attn is flash_attn and reloaded.config._attn_implementation == kernel
 
 
-def test_flash_attn_kernels_give_the_same_logits_and_an_explicit_choice_wins():
+def test_flash_attn_kernels_give_same_logits():
+    """Both flash_attn kernels give the same logits, and an explicit attn_implementation wins."""
     fused, explicit = tiny_model(std=0.1, flash_attn=True), tiny_model(std=0.1, flash_attn=False)
     ids = torch.randint(0, 97, (2, 12))
     mask = torch.ones_like(ids)
@@ -276,7 +279,8 @@ def _make_data(out_dir, seed):
     return {name: (out_dir / name).read_bytes() for name in sorted(os.listdir(out_dir))}
 
 
-def test_make_data_twice_gives_byte_identical_files_and_the_seed_matters(tmp_path):
+def test_make_data_is_byte_identical_per_seed(tmp_path):
+    """make_data run twice gives byte-identical files, and another seed gives other data."""
     first, second = _make_data(tmp_path / "a", 7), _make_data(tmp_path / "b", 7)
     assert {"pretrain.jsonl", "sft.jsonl", "dpo.jsonl"} <= set(first)
     assert first == second
@@ -304,7 +308,8 @@ def test_export_refusal_writes_nothing(target, tmp_path):
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_sft_output_reloads_with_remote_code_and_replies_with_the_trained_models_ids(tmp_path):
+def test_sft_output_reloads_with_remote_code(tmp_path):
+    """An SFT output reloads with remote code and replies with the trained model's ids."""
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

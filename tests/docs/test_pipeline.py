@@ -6,7 +6,7 @@ from transformers import pipeline
 from conftest import model_dir
 
 
-def test_text_generation_pipeline_takes_chat_messages(tmp_path):
+def test_text_generation_takes_chat_messages(tmp_path):
     model = model_dir(tmp_path, std=0.3)
 
     chat = pipeline("text-generation", model=str(tmp_path), trust_remote_code=True)

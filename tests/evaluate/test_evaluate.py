@@ -73,7 +73,7 @@ def test_lm_eval_loglikelihoods_are_the_models_own(tiny_dir):
     assert rows[0][2] == pytest.approx(right / 6)
 
 
-def test_bundled_task_file_is_made_from_the_bundled_pairs(tmp_path):
+def test_task_file_is_made_from_bundled_pairs(tmp_path):
     """data/eval_facts.jsonl is write_facts_task's output, byte for byte: 171 distinct questions, each with the
     chosen answer and a rejected one that differs in exactly one word, the right one first and second in turn."""
     assert ev.write_facts_task(tmp_path / "facts.jsonl") == 171
@@ -125,7 +125,7 @@ def test_parse_tool_call(reply, parsed):
     assert ev.parse_tool_call(reply) == parsed
 
 
-def test_tool_calling_score_counts_right_calls_exactly():
+def test_tool_calling_score_counts_right_calls():
     """Two of three replies make the expected call (the third has the right name but a wrong argument): 2/3."""
     prompts = ev.tool_prompts(limit=3)
     replies = {
@@ -140,7 +140,7 @@ def test_tool_calling_score_counts_right_calls_exactly():
     assert math.isnan(ev.tool_calling_score([], lambda p: "").score)
 
 
-def test_greedy_reply_renders_the_tools_and_decodes_the_call(tiny_dir, monkeypatch):
+def test_greedy_reply_renders_tools_decodes_call(tiny_dir, monkeypatch):
     """The model sees the prompt rendered with its tools (the chat template's ids) and its generated tokens are
     decoded with <tool_call> kept, so a model that emits the right call scores 1."""
     from minimind.chat import chat_prompt_ids, load_model_and_tokenizer
@@ -163,7 +163,7 @@ def test_greedy_reply_renders_the_tools_and_decodes_the_call(tiny_dir, monkeypat
     assert "get_weather" in tokenizer.decode(seen[0][0]) and "<tools>" in tokenizer.decode(seen[0][0])
 
 
-def test_eval_command_writes_the_table_and_the_card_shows_it(tiny_dir, capsys):
+def test_command_writes_table_and_card_shows_it(tiny_dir, capsys):
     """minimind-eval prints the table, writes eval_results.json / .md into the model directory, and the model
     card minimind-push builds carries the same table and the Hub's model-index entries."""
     from minimind.cli import evaluate

@@ -20,7 +20,8 @@ def edit_config(path, **settings):
     (path / "config.json").write_text(json.dumps(config))
 
 
-def test_a_directory_of_another_model_type_is_refused_and_its_code_never_runs(tmp_path):
+def test_other_model_type_is_refused(tmp_path):
+    """A directory of another model type is refused and its code never runs."""
     marker = plant_code_dir(tmp_path)
     with pytest.raises(InputError) as raised:
         load_model_and_tokenizer(str(tmp_path), device="cpu")
@@ -32,7 +33,8 @@ def test_a_directory_of_another_model_type_is_refused_and_its_code_never_runs(tm
     assert not marker.exists()
 
 
-def test_auto_map_in_a_minimind_directory_is_ignored_for_the_installed_classes(tmp_path):
+def test_auto_map_in_directory_is_ignored(tmp_path):
+    """auto_map in a MiniMind directory is ignored: the installed classes load."""
     from modeling_minimind import MiniMindForCausalLM
 
     reference = model_dir(tmp_path)
@@ -48,7 +50,8 @@ def test_auto_map_in_a_minimind_directory_is_ignored_for_the_installed_classes(t
     assert not marker.exists()
 
 
-def test_a_tokenizer_that_needs_code_from_the_directory_is_refused_without_running_it(tmp_path):
+def test_tokenizer_needing_remote_code_is_refused(tmp_path):
+    """A tokenizer that needs code from the directory is refused without running it."""
     model_dir(tmp_path)
     marker = plant_code_dir(tmp_path / "code")
     (tmp_path / "planted.py").write_text((tmp_path / "code" / "planted.py").read_text())
@@ -102,7 +105,8 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_every_command_refuses_a_planted_directory_in_one_line(command, tmp_path, capsys, monkeypatch):
+def test_commands_refuse_planted_dir_in_one_line(command, tmp_path, capsys, monkeypatch):
+    """Every command refuses a planted directory in one line."""
     pytest.importorskip("gradio") if command == "web" else None
     monkeypatch.chdir(cli.__file__.rsplit("/minimind/", 1)[0])
     marker = plant_code_dir(tmp_path / "planted")
@@ -137,7 +141,8 @@ def test_a_hub_id_offline_says_the_hub_is_offline(monkeypatch, tmp_path):
     )
 
 
-def test_a_hub_id_downloads_model_files_only_and_loads_with_installed_classes(monkeypatch, tmp_path):
+def test_hub_id_downloads_model_files_only(monkeypatch, tmp_path):
+    """A hub id downloads model files only and loads with the installed classes."""
     import huggingface_hub
 
     snapshot = tmp_path / "snapshot"
@@ -223,7 +228,8 @@ EDITS = {
 
 
 @pytest.mark.parametrize("edit", sorted(EDITS))
-def test_a_config_that_disagrees_with_its_weights_is_refused_listing_the_tensors(edit, tmp_path):
+def test_config_weight_mismatch_lists_tensors(edit, tmp_path):
+    """A config that disagrees with its weights is refused, listing the tensors."""
     saved, edited, problems = EDITS[edit]
     model_dir(tmp_path, with_tokenizer=False, **saved)
     edit_config(tmp_path, **edited)
@@ -247,7 +253,8 @@ def test_moe_switched_on_by_hand_lists_both_sides(tmp_path):
         load_model(tmp_path)
 
 
-def test_export_of_a_mismatched_checkpoint_writes_nothing(tmp_path, capsys):
+def test_mismatched_checkpoint_exports_nothing(tmp_path, capsys):
+    """Export of a mismatched checkpoint writes nothing."""
     model_dir(tmp_path / "model")
     edit_config(tmp_path / "model", num_hidden_layers=3)
     with pytest.raises(SystemExit) as exited:
@@ -259,7 +266,8 @@ def test_export_of_a_mismatched_checkpoint_writes_nothing(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_matching_checkpoint_loads_exactly_what_was_saved(tmp_path):
+def test_matching_checkpoint_loads_as_saved(tmp_path):
+    """A matching checkpoint loads exactly what was saved."""
     reference = model_dir(tmp_path, with_tokenizer=False, tie_word_embeddings=False, use_moe=True)
     model = load_model(tmp_path)
     assert not model.training
@@ -268,7 +276,8 @@ def test_a_matching_checkpoint_loads_exactly_what_was_saved(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["pretrain", "grpo"])
-def test_training_refuses_a_bad_starting_model_before_reading_its_data(command, tmp_path, capsys, monkeypatch):
+def test_training_refuses_bad_model_before_data(command, tmp_path, capsys, monkeypatch):
+    """Training refuses a bad starting model before reading its data."""
     import minimind.data
 
     monkeypatch.setattr(minimind.data, "_read_numbered_rows", lambda *a, **k: pytest.fail("the data was read"))

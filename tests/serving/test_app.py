@@ -98,7 +98,8 @@ def test_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
 
 
-def test_chat_completion_equals_direct_generation_with_usage(client, generator, reference):
+def test_chat_completion_equals_generate(client, generator, reference):
+    """A chat completion equals direct generation, with its usage."""
     response = client.chat.completions.create(
         model=MODEL_ID, messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=0
     )
@@ -114,7 +115,7 @@ def test_chat_completion_equals_direct_generation_with_usage(client, generator, 
     assert reason == "length" and tokens == 6
 
 
-def test_chat_streaming_sends_the_same_text_then_usage(client):
+def test_chat_stream_sends_same_text_then_usage(client):
     kwargs = dict(
         model=MODEL_ID,
         messages=[
@@ -134,7 +135,7 @@ def test_chat_streaming_sends_the_same_text_then_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
-def test_completions_with_n_choices_stream_and_not(client, generator, reference):
+def test_completions_n_choices_streamed_or_not(client, generator, reference):
     prompt = "Once upon a time"
     response = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=5, temperature=0, n=2)
     text, reason, tokens = direct(reference, generator.tokenizer(prompt)["input_ids"], 5)
@@ -175,7 +176,8 @@ def completion_text(client, top_k=None, **kwargs):
     return client.completions.create(model=MODEL_ID, prompt="The", max_tokens=8, **kwargs, **extra).choices[0].text
 
 
-def test_temperature_changes_the_reply_and_zero_is_greedy(client, reference, generator):
+def test_temperature_zero_is_greedy(client, reference, generator):
+    """Temperature changes the reply, and zero is greedy."""
     greedy, _, _ = direct(reference, generator.tokenizer("The")["input_ids"], 8)
     hot = {completion_text(client, temperature=2.0, seed=seed) for seed in (1, 2, 3, 4)}
     assert len(hot) > 1  # really sampling (seed is best effort: draws share one random stream)
@@ -183,12 +185,15 @@ def test_temperature_changes_the_reply_and_zero_is_greedy(client, reference, gen
 
 
 @pytest.mark.parametrize("filters", [{"top_p": 1e-6}, {"top_k": 1}], ids=["top_p tiny", "top_k 1"])
-def test_top_p_tiny_or_top_k_one_gives_the_greedy_reply_at_any_temperature(client, reference, generator, filters):
+def test_tiny_top_p_or_top_k_one_is_greedy(client, reference, generator, filters):
+    """A tiny top_p or top_k 1 gives the greedy reply at any temperature."""
     greedy, _, _ = direct(reference, generator.tokenizer("The")["input_ids"], 8)
     assert [completion_text(client, temperature=t, **filters) for t in (1.0, 2.0)] == [greedy, greedy]
 
 
-def test_max_completion_tokens_bounds_the_completion_exactly(client):
+def test_max_completion_tokens_is_exact(client):
+    """max_completion_tokens bounds the completion exactly."""
+
     def completion(**kwargs):
         response = client.chat.completions.create(
             model=MODEL_ID, messages=[{"role": "user", "content": "hello"}], temperature=0, **kwargs
@@ -200,7 +205,8 @@ def test_max_completion_tokens_bounds_the_completion_exactly(client):
     assert completion() == (LIMITS.default_max_tokens, "length")
 
 
-def test_a_completion_longer_than_the_context_ends_with_length_where_the_context_is_full(client, generator, reference):
+def test_context_overflow_finishes_with_length(client, generator, reference):
+    """A completion longer than the context ends with "length" where the context is full."""
     prompt = "word " * 60
     prompt_ids = generator.tokenizer(prompt)["input_ids"]
     room = MAX_CONTEXT - len(prompt_ids)
@@ -273,7 +279,8 @@ def test_bad_chat_requests_get_openai_errors(base_url, body, status, param, code
     assert error["type"] == "invalid_request_error"
 
 
-def test_prompt_longer_than_max_prompt_tokens_is_refused_naming_the_limit(base_url, generator):
+def test_prompt_over_max_prompt_tokens_is_refused(base_url, generator):
+    """A prompt longer than max_prompt_tokens is refused, naming the limit."""
     prompt = "word " * 60
     assert LIMITS.max_prompt_tokens < len(generator.tokenizer(prompt * 2)["input_ids"]) < MAX_CONTEXT + 100
     response = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_ID, "prompt": prompt * 2}, timeout=30)
@@ -282,7 +289,8 @@ def test_prompt_longer_than_max_prompt_tokens_is_refused_naming_the_limit(base_u
     assert "at most 100" in error["message"]
 
 
-def test_a_prompt_list_may_not_ask_for_more_than_max_n_choices_in_all(base_url):
+def test_prompt_list_bounded_by_max_n_choices(base_url):
+    """A prompt list may not ask for more than max_n_choices in all."""
     body = {"model": MODEL_ID, "prompt": ["a", "b"], "n": LIMITS.max_n // 2 + 1, "max_tokens": 1}
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
     error = response.json()["error"]
@@ -292,7 +300,8 @@ def test_a_prompt_list_may_not_ask_for_more_than_max_n_choices_in_all(base_url):
     assert [c["index"] for c in ok["choices"]] == list(range(LIMITS.max_n))
 
 
-def test_malformed_and_misrouted_requests_get_openai_errors(base_url):
+def test_malformed_requests_get_openai_errors(base_url):
+    """Malformed and misrouted requests get OpenAI-shaped errors."""
     bad_json = httpx.post(
         f"{base_url}/v1/completions",
         content=b'{"model": "x", "prompt": ',
@@ -310,7 +319,8 @@ def test_malformed_and_misrouted_requests_get_openai_errors(base_url):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
 
 
-def test_concurrent_requests_of_different_lengths_each_get_their_greedy_reply(client, generator, reference):
+def test_concurrent_requests_get_greedy_replies(client, generator, reference):
+    """Concurrent requests of different lengths each get their own greedy reply."""
     prompts = [
         "red apples",
         "the sea " * 9,
@@ -342,7 +352,8 @@ def test_concurrent_requests_of_different_lengths_each_get_their_greedy_reply(cl
     assert answers == expected
 
 
-def test_serve_script_binds_loopback_by_default_and_takes_the_limits(monkeypatch, generator, tmp_path):
+def test_script_binds_loopback_and_takes_limits(monkeypatch, generator, tmp_path):
+    """The serve script binds loopback by default and takes the limits."""
     import minimind.chat
     import minimind.serving
 
@@ -404,7 +415,7 @@ def test_serve_script_binds_loopback_by_default_and_takes_the_limits(monkeypatch
     assert status(keyless) == 200  # an empty --api_key is no key, even with the variable set
 
 
-def test_serve_script_rejects_bad_limits_naming_the_flag(monkeypatch, generator, tmp_path, capsys):
+def test_script_rejects_bad_limits_naming_flag(monkeypatch, generator, tmp_path, capsys):
     import minimind.chat
 
     monkeypatch.setattr(
@@ -437,7 +448,8 @@ def test_bad_limits_are_refused(generator, limits, message):
     assert message in str(error.value)
 
 
-def test_engines_are_named_and_the_compiled_one_fits_its_rows_in_the_kv_cache(generator):
+def test_compiled_engine_rows_fit_the_kv_cache(generator):
+    """The engines are named, and the compiled one fits its rows in the KV cache."""
     model, tokenizer = generator.model, generator.tokenizer
     with pytest.raises(ValueError) as error:
         Generator(model, tokenizer, MODEL_ID, engine="vllm")
@@ -475,7 +487,7 @@ def test_engines_are_named_and_the_compiled_one_fits_its_rows_in_the_kv_cache(ge
     )
 
 
-def test_serve_script_takes_the_engine(monkeypatch, generator, tmp_path):
+def test_script_takes_the_engine(monkeypatch, generator, tmp_path):
     import minimind.chat
     import minimind.serving
 
@@ -517,7 +529,8 @@ def test_serve_script_takes_the_engine(monkeypatch, generator, tmp_path):
     assert warmed is compiled.state.generator.engine and warmed.decoder.compiled  # compiled before serving
 
 
-def test_api_key_guards_every_route_and_the_openai_client_with_it_works(generator):
+def test_api_key_guards_every_route(generator):
+    """The API key guards every route, and the OpenAI client given the key works."""
     with serve_in_thread(create_app(generator, api_key="s3cret")) as url:
         for headers, message in (
             ({}, "You didn't provide an API key"),
@@ -549,7 +562,8 @@ def test_api_key_guards_every_route_and_the_openai_client_with_it_works(generato
         create_app(generator, api_key="")
 
 
-def test_beyond_max_concurrent_requests_is_a_429_with_retry_after(app, base_url, monkeypatch):
+def test_over_max_concurrent_requests_is_429(app, base_url, monkeypatch):
+    """A request beyond max_concurrent_requests is a 429 with Retry-After."""
     monkeypatch.setattr(app.state.admission, "limit", 0)
     body = {"model": MODEL_ID, "prompt": "x", "max_tokens": 1}
     for stream in (False, True):
@@ -562,7 +576,8 @@ def test_beyond_max_concurrent_requests_is_a_429_with_retry_after(app, base_url,
     assert app.state.admission.active == 0  # every request gave its slot back
 
 
-def test_a_request_past_the_timeout_is_a_504_and_stops_generating(base_url, generator, monkeypatch):
+def test_timeout_is_504_and_stops_generating(base_url, generator, monkeypatch):
+    """A request past the timeout is a 504 and stops generating."""
     monkeypatch.setattr(generator.limits, "request_timeout", 0.001)
     body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 100, "temperature": 0}
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
@@ -580,7 +595,8 @@ def test_a_request_past_the_timeout_is_a_504_and_stops_generating(base_url, gene
     wait_until_idle(generator, timeout=5)
 
 
-def test_raw_stream_is_server_sent_events_ending_with_done(base_url):
+def test_raw_stream_is_sse_ending_with_done(base_url):
+    """The raw stream is server-sent events ending with [DONE]."""
     body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -590,7 +606,8 @@ def test_raw_stream_is_server_sent_events_ending_with_done(base_url):
     assert all(event.startswith("data: {") for event in events[:-2])
 
 
-def test_client_leaving_mid_stream_stops_its_generation(base_url, generator):
+def test_client_leaving_stream_stops_generation(base_url, generator):
+    """A client leaving mid-stream stops its generation."""
     steps = []
     hook = generator.model.register_forward_hook(lambda *args: steps.append(1))
     try:
@@ -608,7 +625,9 @@ def test_client_leaving_mid_stream_stops_its_generation(base_url, generator):
         hook.remove()
 
 
-def test_a_failing_generation_is_a_500_in_openai_shape_and_frees_the_server(base_url, generator, monkeypatch):
+def test_failed_generation_is_500_and_frees_server(base_url, generator, monkeypatch):
+    """A failing generation is a 500 in OpenAI shape and frees the server."""
+
     def broken_forward(*args, **kwargs):
         raise RuntimeError("device on fire")
 
@@ -635,7 +654,8 @@ def test_a_failing_generation_is_a_500_in_openai_shape_and_frees_the_server(base
         ["<think>\nwhy not", "\n</think>\n", "\nBecause", "."],
     ],
 )
-def test_reasoning_comes_back_as_reasoning_content_whole_and_streamed(base_url, monkeypatch, pieces):
+def test_reasoning_returned_as_reasoning_content(base_url, monkeypatch, pieces):
+    """Reasoning comes back as reasoning_content, whole and streamed."""
     import json
 
     import minimind.serving
@@ -659,7 +679,8 @@ def test_reasoning_comes_back_as_reasoning_content_whole_and_streamed(base_url, 
     assert raw["choices"][0]["text"] == "".join(pieces)  # completions keep the tags
 
 
-def test_a_reply_without_think_block_has_no_reasoning_content(client):
+def test_reply_without_think_has_no_reasoning(client):
+    """A reply without a think block has no reasoning_content."""
     message = (
         client.chat.completions.create(
             model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
@@ -670,7 +691,7 @@ def test_a_reply_without_think_block_has_no_reasoning_content(client):
     assert "reasoning_content" not in (message.model_extra or {}) and message.content
 
 
-def test_sequences_beyond_the_paged_cache_wait_and_long_prompts_are_exact(served_dir, reference):
+def test_sequences_beyond_paged_cache_wait(served_dir, reference):
     """A cache sized for one sequence (--max_concurrent_requests 1, plus the spare context) still serves four
     sequences that need more than it holds, each with exactly its greedy reply; a prompt longer than one batch step
     is prefilled in chunks (max_batch_tokens 256 here), also exactly."""
@@ -735,12 +756,14 @@ def test_developer_messages_are_system_messages(client):
         (256, 1, 2 * 256),  # never below two contexts
     ],
 )
-def test_default_kv_cache_is_capped_and_holds_two_contexts(context, concurrent, expected):
+def test_default_kv_cache_holds_two_contexts(context, concurrent, expected):
+    """The default KV cache is capped and holds two full contexts."""
     limits = ServerLimits(max_concurrent_requests=concurrent).check(context)
     assert limits.kv_cache_tokens == expected
 
 
-def test_ids_and_object_names_are_openais_for_each_endpoint_streaming_or_not(client):
+def test_ids_and_object_names_match_openai(client):
+    """Ids and object names are OpenAI's for each endpoint, streaming or not."""
     chat = client.chat.completions.create(
         model=MODEL_ID, max_tokens=2, temperature=0, messages=[{"role": "user", "content": "hi"}]
     )
@@ -762,7 +785,8 @@ def test_ids_and_object_names_are_openais_for_each_endpoint_streaming_or_not(cli
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts the process's threads in /proc")
-def test_release_openmp_workers_gives_this_threads_workers_back_until_torch_runs_again():
+def test_release_openmp_workers_until_torch_runs():
+    """release_openmp_workers gives this thread's workers back until torch runs again."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

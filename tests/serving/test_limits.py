@@ -102,7 +102,8 @@ def assert_too_large(response, limit=LIMIT):
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-def test_a_body_one_byte_over_the_limit_is_a_413_and_one_at_the_limit_is_parsed(base_url, chat):
+def test_one_byte_over_the_limit_is_413(base_url, chat):
+    """A body one byte over the limit is a 413, and one at the limit is parsed."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     over = post(base_url, path, body_of_size(LIMIT + 1, chat))
     assert_too_large(over)
@@ -115,7 +116,8 @@ def test_a_body_one_byte_over_the_limit_is_a_413_and_one_at_the_limit_is_parsed(
     )
 
 
-def test_the_413_comes_before_parsing_with_content_length_or_chunked(base_url):
+def test_413_comes_before_parsing(base_url):
+    """The 413 comes before parsing, with Content-Length or chunked."""
     # Not JSON at all: parsed, it would be a 400 invalid_json.
     declared = post(base_url, "/v1/completions", b"{" + b" " * LIMIT)
     assert declared.request.headers["content-length"] == str(LIMIT + 1)
@@ -138,7 +140,7 @@ def test_the_413_comes_before_parsing_with_content_length_or_chunked(base_url):
     assert httpx.get(f"{base_url}/v1/models", timeout=30).status_code == 200  # the server is fine
 
 
-def test_a_chunked_body_within_the_limit_is_served(base_url):
+def test_chunked_body_within_limit_is_served(base_url):
     body = json.dumps({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
     response = httpx.post(f"{base_url}/v1/completions", content=iter([body[:10], body[10:]]), headers=JSON, timeout=30)
     assert response.request.headers["transfer-encoding"] == "chunked"
@@ -175,7 +177,7 @@ def test_a_chunked_body_within_the_limit_is_served(base_url):
         ("/v1/completions", {"prompt": "hi", "model": "tiny\ud800"}, "model"),  # before the 404, which echoes it
     ],
 )
-def test_a_lone_surrogate_is_a_400_naming_the_field(base_url, path, body, param):
+def test_lone_surrogate_is_400_naming_field(base_url, path, body, param):
     response = post(base_url, path, json.dumps({"model": MODEL_ID, **body}).encode())  # ascii: "\ud800" escapes
     error = error_of(response)
     assert (response.status_code, error["param"], error["code"]) == (400, param, "invalid_value")
@@ -184,7 +186,7 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(base_url, path, body, param)
     )
 
 
-def test_a_raw_surrogate_byte_sequence_is_the_same_400(base_url):
+def test_raw_surrogate_bytes_are_the_same_400(base_url):
     response = post(base_url, "/v1/completions", b'{"model": "%s", "prompt": "a\xed\xa0\x80"}' % MODEL_ID.encode())
     error = error_of(response)
     assert (response.status_code, error["param"]) == (400, "prompt")
@@ -213,7 +215,8 @@ def test_a_raw_surrogate_byte_sequence_is_the_same_400(base_url):
         ("stream", 1, "Input should be a valid boolean"),
     ],
 )
-def test_loosely_typed_numbers_and_flags_are_a_400_naming_the_field(base_url, field, value, message):
+def test_loose_types_are_400_naming_field(base_url, field, value, message):
+    """Loosely typed numbers and flags are a 400 naming the field."""
     for path, prompt in (
         ("/v1/completions", {"prompt": "hi"}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -251,7 +254,8 @@ class Records(logging.Handler):
     ],
     ids=["top level", "in a field", "in stream_options"],
 )
-def test_json_nested_100000_deep_is_a_400_without_a_traceback(base_url, body):
+def test_deeply_nested_json_is_a_clean_400(base_url, body):
+    """JSON nested 100000 deep is a 400 without a traceback."""
     assert len(body) < LIMIT
     records = Records()
     loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn", "")]
@@ -268,7 +272,7 @@ def test_json_nested_100000_deep_is_a_400_without_a_traceback(base_url, body):
     assert not [r for r in records.records if r.exc_info or "Recursion" in r.getMessage()]
 
 
-def test_a_body_that_is_not_utf8_is_a_400(base_url):
+def test_non_utf8_body_is_400(base_url):
     response = post(base_url, "/v1/completions", b'{"model": "x", "prompt": "\xff"}')
     assert (response.status_code, error_of(response)["code"]) == (400, "invalid_json")
 
@@ -278,7 +282,8 @@ def test_a_body_that_is_not_utf8_is_a_400(base_url):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_the_character_bound_is_the_longest_token_and_really_bounds_the_token_count(generator):
+def test_character_bound_bounds_token_count(generator):
+    """The character bound is the longest token's length and really bounds the token count."""
     tokenizer = generator.tokenizer
     per_token = max_chars_per_token(tokenizer)
     assert per_token == max(len(token) for token in tokenizer.get_vocab()) == len("<|endoftext|>") == 13
@@ -300,7 +305,8 @@ def test_the_character_bound_is_the_longest_token_and_really_bounds_the_token_co
         assert len(text) <= per_token * len(tokenizer(text)["input_ids"]), text[:40]
 
 
-def test_no_character_bound_where_a_token_can_stand_for_any_length_of_text(generator):
+def test_no_character_bound_for_unbounded_tokens(generator):
+    """No character bound where a token can stand for any length of text."""
     import copy
 
     from tokenizers import normalizers
@@ -312,7 +318,8 @@ def test_no_character_bound_where_a_token_can_stand_for_any_length_of_text(gener
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing_it(base_url, generator, monkeypatch, chat):
+def test_long_prompt_refused_before_tokenizing(base_url, generator, monkeypatch, chat):
+    """A prompt over the character bound is refused without tokenizing it."""
     import minimind.serving
     import minimind.serving.app
 
@@ -344,7 +351,7 @@ def test_a_prompt_over_the_character_bound_is_refused_without_tokenizing_it(base
     assert tokenized == []
 
 
-def test_each_tokenizer_thread_tokenizes_with_its_own_copy(generator):
+def test_each_tokenizer_thread_has_its_own_copy(generator):
     """Chat messages are tokenized with special tokens split, raw prompts without, a setting the fast tokenizer
     keeps in its one Rust object: two threads sharing it could swap settings."""
     import asyncio
@@ -367,7 +374,7 @@ def test_each_tokenizer_thread_tokenizes_with_its_own_copy(generator):
     assert ids_1 == ids_2 == generator.tokenizer("<|im_start|>")["input_ids"] and len(ids_1) == 1
 
 
-def test_small_requests_keep_their_latency_while_a_large_prompt_is_tokenized(base_url, generator, monkeypatch):
+def test_large_prompt_leaves_small_requests_fast(base_url, generator, monkeypatch):
     """A chat message just under --max_request_bytes that the character bound cannot refuse (here it is switched
     off, as for a tokenizer without one) is rendered and tokenized for about a second, then refused by the prompt
     limit. A burst of small requests on other connections meanwhile (5 /v1/models, 3 one-token completions) answers
@@ -432,7 +439,8 @@ def test_small_requests_keep_their_latency_while_a_large_prompt_is_tokenized(bas
 # ----------------------------------------------------------------------------------------------------------
 
 
-def test_docs_and_schema_are_not_served_when_a_key_is_set(generator):
+def test_key_hides_docs_and_schema(generator):
+    """The docs and schema are not served when an API key is set."""
     from starlette.testclient import TestClient
 
     keyed, open_app = TestClient(create_app(generator, api_key="s3cret")), TestClient(create_app(generator))
@@ -490,9 +498,8 @@ def test_is_loopback_host(host, loopback):
     ],
     ids=["0.0.0.0", "::", "empty key", "127.0.0.1", "default", "with key"],
 )
-def test_serve_warns_when_it_binds_beyond_loopback_without_a_key(
-    monkeypatch, generator, tmp_path, capsys, argv, warning
-):
+def test_serve_warns_open_host_without_key(monkeypatch, generator, tmp_path, capsys, argv, warning):
+    """serve warns when it binds beyond loopback without an API key."""
     import uvicorn
 
     import minimind.chat
