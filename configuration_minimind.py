@@ -5,6 +5,7 @@ Field names follow transformers' Qwen3 / Qwen3-MoE configs and upstream MiniMind
 transformers alone: it is copied into every saved checkpoint and runs on the user's machine.
 """
 
+import inspect
 import math
 
 from transformers import PretrainedConfig
@@ -25,6 +26,9 @@ _AUTO_MAP = {
     "AutoConfig": "configuration_minimind.MiniMindConfig",
     "AutoModel": "modeling_minimind.MiniMindModel",
     "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_minimind.MiniMindForSequenceClassification",
+    "AutoModelForTokenClassification": "modeling_minimind.MiniMindForTokenClassification",
+    "AutoModelForQuestionAnswering": "modeling_minimind.MiniMindForQuestionAnswering",
 }
 # The rope types transformers accepts for Qwen3, with the keys each one needs beyond
 # rope_type/rope_theta. The scaled types that stretch a pre-training length default it to
@@ -239,6 +243,7 @@ class MiniMindConfig(PretrainedConfig):
         num_experts_per_tok=1,
         moe_intermediate_size=None,
         norm_topk_prob=True,
+        n_shared_experts=0,
         router_aux_loss_coef=5e-4,
         output_router_logits=False,
         decoder_sparse_step=1,
@@ -292,6 +297,8 @@ class MiniMindConfig(PretrainedConfig):
                     f"top-k {num_experts_per_tok!r} must be between 1 and num_experts ({num_experts})",
                     "lower num_experts_per_tok or add experts",
                 )
+        if not _is_int(n_shared_experts) or n_shared_experts < 0:
+            _fail("n_shared_experts", f"must be an integer >= 0, got {n_shared_experts!r}", "use 0, or e.g. 1")
         if mlp_only_layers is not None and not isinstance(mlp_only_layers, (list, tuple)):
             _fail("mlp_only_layers", f"must be a list of layer indices, got {mlp_only_layers!r}", "pass e.g. [0]")
         mlp_only_layers = list(mlp_only_layers or [])
@@ -316,41 +323,28 @@ class MiniMindConfig(PretrainedConfig):
                 )
         rope = normalize_rope_parameters(rope_theta, rope_scaling, rope_parameters, max_position_embeddings, head_dim)
 
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim
-        self.hidden_act = hidden_act
-        self.max_position_embeddings = max_position_embeddings
-        self.rms_norm_eps = rms_norm_eps
+        # The signature is the one list of fields (MiniMindConfig.FIELDS); those derived or normalised above take
+        # their final values here, the passed-through token ids and tying go to PretrainedConfig.
+        given.update(
+            intermediate_size=intermediate_size,
+            moe_intermediate_size=moe_intermediate_size,
+            head_dim=head_dim,
+            mlp_only_layers=mlp_only_layers,
+        )
+        for field in self.FIELDS:
+            if field not in _SET_ELSEWHERE:
+                setattr(self, field, given[field])
         self.rope_theta = rope["rope_theta"]
         self.rope_parameters = rope
-        # transformers 5 made `rope_scaling` a deprecated alias property of `rope_parameters`; 4.57
-        # reads the plain attribute. Only write it where it is still a plain attribute.
+        # transformers 5 made `rope_scaling` a deprecated alias property of `rope_parameters`; 4.57 reads the
+        # plain attribute. Only write it where it is still a plain attribute.
         if not isinstance(getattr(type(self), "rope_scaling", None), property):
             self.rope_scaling = None if rope["rope_type"] == "default" else dict(rope)
-        self.inference_rope_scaling = inference_rope_scaling
-        self.qk_norm = qk_norm
-        self.attention_bias = attention_bias
-        self.attention_dropout = attention_dropout
-        self.flash_attn = flash_attn
-        self.use_cache = use_cache
-        self.initializer_range = initializer_range
-        self.use_moe = use_moe
-        self.num_experts = num_experts
-        self.num_experts_per_tok = num_experts_per_tok
-        self.moe_intermediate_size = moe_intermediate_size
-        self.norm_topk_prob = norm_topk_prob
         if use_moe:
-            # Only MoE configs carry these: libraries (TRL's trainers among them) switch on their
-            # MoE aux-loss path when a config has `output_router_logits`, as Qwen3-MoE's does.
+            # Only MoE configs carry these: libraries (TRL's trainers among them) switch on their MoE aux-loss path
+            # when a config has `output_router_logits`, as Qwen3-MoE's does.
             self.router_aux_loss_coef = router_aux_loss_coef
             self.output_router_logits = output_router_logits
-        self.decoder_sparse_step = decoder_sparse_step
-        self.mlp_only_layers = mlp_only_layers
         if use_moe:  # before super().__init__(): 5.17 extends the instance's plan for tied embeddings
             self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_EXPERT_TP_PLAN}
         # Upstream's `flash_attn` switch picks the fused kernel (sdpa) or the explicit one (eager);
@@ -390,6 +384,22 @@ class MiniMindConfig(PretrainedConfig):
         preset.update(overrides)
         return cls(**preset)
 
+
+# Every field of the config, in the order of its signature: the one list other code derives its field lists from.
+MiniMindConfig.FIELDS = tuple(
+    name for name in inspect.signature(MiniMindConfig.__init__).parameters if name not in ("self", "kwargs")
+)
+_SET_ELSEWHERE = (
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+)
 
 __all__ = ["MiniMindConfig"]
 

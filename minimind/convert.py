@@ -108,11 +108,8 @@ def config_from_upstream_settings(settings):
     from configuration_minimind import MiniMindConfig
 
     settings = {_UPSTREAM_RENAMES.get(key, key): value for key, value in settings.items()}
-    if settings.pop("n_shared_experts", 0) and settings.get("use_moe"):
-        raise ValueError(
-            "n_shared_experts > 0: MiniMind has no shared experts, so their weights would be lost. "
-            "Fix: import a checkpoint trained with n_shared_experts=0."
-        )
+    if not settings.get("use_moe"):
+        settings.pop("n_shared_experts", None)  # upstream writes it into dense configs too
     scoring = settings.pop("scoring_func", "softmax")
     if scoring != "softmax":
         raise ValueError(f"scoring_func={scoring!r}: MiniMind routes with softmax only.")

@@ -130,11 +130,10 @@ def test_mismatched_checkpoint_names_missing_unexpected_and_shapes(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_upstream_features_minimind_lacks_are_refused():
+def test_upstream_features_minimind_lacks_are_refused_and_shared_experts_kept():
     from minimind.convert import config_from_upstream_settings
 
-    with pytest.raises(ValueError, match="shared experts"):
-        config_from_upstream_settings({"use_moe": True, "n_shared_experts": 1})
+    assert config_from_upstream_settings({"use_moe": True, "n_shared_experts": 2}).n_shared_experts == 2
     with pytest.raises(ValueError, match="scoring_func"):
         config_from_upstream_settings({"scoring_func": "sigmoid"})
 

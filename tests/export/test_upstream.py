@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -71,10 +72,40 @@ def logits(model, ids):
 IDS = torch.randint(0, 6400, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
+def upstream_moe_feed_forward(state, prefix, x, config, n_shared_experts):
+    """Upstream MiniMind2's MOEFeedForward in eval mode, written from its source over the raw tensors: softmax
+    router, top-k (renormalised when k > 1), routed experts weighted, then every shared expert added unweighted."""
+
+    def mlp(name, h):
+        w = {p: state[f"{prefix}{name}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+        return F.linear(F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"]), w["down_proj"])
+
+    flat = x.reshape(-1, x.shape[-1])
+    scores = F.linear(flat, state[f"{prefix}gate.weight"]).softmax(dim=-1)
+    weight, index = torch.topk(scores, k=config.num_experts_per_tok, dim=-1, sorted=False)
+    if config.num_experts_per_tok > 1:
+        weight = weight / (weight.sum(dim=-1, keepdim=True) + 1e-20)
+    y = torch.zeros_like(flat)
+    for token in range(flat.shape[0]):
+        for slot in range(index.shape[1]):
+            y[token] += weight[token, slot] * mlp(f"experts.{index[token, slot]}", flat[token])
+    y = y.view(x.shape)
+    for i in range(n_shared_experts):
+        y = y + mlp(f"shared_experts.{i}", x)
+    return y
+
+
 @pytest.mark.parametrize(
-    "layout, moe", [("current", False), ("current", True), ("minimind2", False), ("minimind2", True)]
+    "layout, moe, shared",
+    [
+        ("current", False, 0),
+        ("current", True, 0),
+        ("minimind2", False, 0),
+        ("minimind2", True, 0),
+        ("minimind2", True, 2),
+    ],
 )
-def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe):
+def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe, shared):
     """Each layout, dense and MoE (top-2, experts narrower than the dense width), converts to a directory whose
     reload through AutoModelForCausalLM gives the source model's logits bit for bit."""
     moe_fields = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48) if moe else {}
@@ -83,8 +114,16 @@ def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe):
         config = current_config(source)
     else:  # MiniMind2: no q/k norm, 8/3 MLP width, rms_norm_eps 1e-5; its experts are as wide as the dense MLP
         moe_fields = {**moe_fields, "moe_intermediate_size": 192} if moe else {}
-        source = tiny_model(std=0.3, intermediate_size=192, qk_norm=False, rms_norm_eps=1e-5, **TINY, **moe_fields)
-        config = minimind2_config(source)
+        source = tiny_model(
+            std=0.3,
+            intermediate_size=192,
+            qk_norm=False,
+            rms_norm_eps=1e-5,
+            n_shared_experts=shared,
+            **TINY,
+            **moe_fields,
+        )
+        config = minimind2_config(source, n_shared_experts=shared)
     upstream = upstream_dir(tmp_path / "upstream", source, config, head_name_only=layout == "minimind2")
 
     convert(["--from", "upstream-hf", "--model_name_or_path", str(upstream), "--output_dir", str(tmp_path / "out")])
@@ -94,6 +133,15 @@ def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe):
     assert saved["qk_norm"] is (layout == "current") and saved["use_moe"] is moe
     assert saved["intermediate_size"] == source.config.intermediate_size
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"  # ours, not upstream's
+    if shared:  # the layer itself computes upstream's formula, shared experts included
+        layer, x = loaded.model.layers[0].mlp, torch.randn(2, 5, source.config.hidden_size)
+        state = {k.removeprefix("model.layers.0.mlp."): v for k, v in source.state_dict().items()}
+        with torch.no_grad():
+            ours, routed_only = layer(x), upstream_moe_feed_forward(state, "", x, source.config, 0)
+            expected = upstream_moe_feed_forward(state, "", x, source.config, shared)
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+        assert (ours - routed_only).abs().max() > 0.1  # the shared experts' share is there, and large
+        assert len(layer.shared_experts) == shared and saved["n_shared_experts"] == shared
     for name in TOKENIZER_FILES:  # upstream's tokenizer travels with its weights
         assert (tmp_path / "out" / name).read_bytes() == (upstream / name).read_bytes()
 
@@ -145,8 +193,8 @@ def test_half_precision_weights_stay_half(tmp_path):
 def test_refusals_name_the_problem_and_the_fix(tmp_path):
     source = tiny_model(intermediate_size=192, qk_norm=False, use_moe=True, num_experts=4, **TINY)
     shared = upstream_dir(tmp_path / "shared", source, minimind2_config(source, n_shared_experts=1))
-    with pytest.raises(ValueError, match="n_shared_experts > 0: MiniMind has no shared experts"):
-        convert_upstream_directory(shared, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"missing keys \(6\): \['model\.layers\.0\.mlp\.shared_experts\.0\."):
+        convert_upstream_directory(shared, tmp_path / "out")  # a config promising shared experts the weights lack
 
     other = upstream_dir(tmp_path / "other", source, {**minimind2_config(source), "model_type": "qwen3"})
     with pytest.raises(ValueError, match="model_type is 'qwen3', not 'minimind'. Fix: pass an upstream MiniMind"):

@@ -112,3 +112,24 @@ def test_moe_layer_placement_follows_qwen3_moe_rule():
     c = MiniMindConfig(num_hidden_layers=6, use_moe=True, decoder_sparse_step=2, mlp_only_layers=[3])
     assert [c.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert not any(MiniMindConfig(num_hidden_layers=3).is_moe_layer(i) for i in range(3))
+
+
+def test_fields_is_the_signature_and_every_field_is_saved():
+    """MiniMindConfig.FIELDS, derived from the signature, is the one field list; each field lands in config.json
+    (the MoE-only ones for MoE configs) and reloads to the same value."""
+    import inspect
+
+    from configuration_minimind import MiniMindConfig
+
+    signature = [
+        name for name in inspect.signature(MiniMindConfig.__init__).parameters if name not in ("self", "kwargs")
+    ]
+    assert list(MiniMindConfig.FIELDS) == signature and "n_shared_experts" in signature
+    config = MiniMindConfig(use_moe=True, n_shared_experts=1, hidden_size=64, num_attention_heads=4)
+    saved = config.to_dict()
+    missing = [f for f in MiniMindConfig.FIELDS if f not in saved and f not in ("rope_scaling",)]
+    assert not missing
+    again = MiniMindConfig.from_dict(saved)
+    assert {f: getattr(again, f) for f in MiniMindConfig.FIELDS if f != "rope_scaling"} == {
+        f: getattr(config, f) for f in MiniMindConfig.FIELDS if f != "rope_scaling"
+    }

@@ -28,13 +28,23 @@ def moe_model(**overrides):
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_dense_declares_compile_support_and_moe_only_with_a_sync_free_dispatch():
-    assert tiny_model()._can_compile_fullgraph
-    moe = moe_model()
-    assert moe.config._experts_implementation == "eager" and not moe._can_compile_fullgraph
+def test_dense_and_moe_declare_compile_support_and_only_moe_takes_an_experts_implementation():
+    """Like Qwen3 / Qwen3-MoE: both compile with fullgraph=True; a dense model has no experts, so asking it for
+    an experts kernel fails as it does for dense Qwen3 instead of silently running nothing."""
+    dense, moe = tiny_model(), moe_model()
+    assert dense._can_compile_fullgraph and moe._can_compile_fullgraph
+    assert moe.config._experts_implementation == "eager"
+    assert not dense._can_set_experts_implementation()
     if V5:
+        assert type(dense)._can_set_experts_implementation()  # what transformers asks the class: MoE configs can
+        qwen3 = to_qwen3_model(tiny_model())
+        for model in (dense, qwen3):
+            with pytest.raises(ValueError, match=r"does not support setting experts implementation"):
+                model.set_experts_implementation("grouped_mm")
+            model.set_experts_implementation("batched_mm")
+            assert model.config._experts_implementation == "eager"
         moe.set_experts_implementation("batched_mm")
-        assert moe._can_compile_fullgraph
+        assert moe.config._experts_implementation == "batched_mm"
 
 
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
@@ -65,15 +75,15 @@ def _decode_with_compiled_step(model, prompt, steps, compiled):
     return tokens, logits
 
 
-@pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe-batched_mm"])
-def test_compiled_static_cache_decode_has_no_graph_break_and_no_recompile(use_moe):
+@pytest.mark.parametrize(
+    "variant", ["dense", "moe", "moe-shared", "moe-batched_mm"] if V5 else ["dense", "moe", "moe-shared"]
+)
+def test_compiled_static_cache_decode_has_no_graph_break_and_no_recompile(variant):
     """fullgraph=True fails on any graph break; error_on_recompile fails if the second, shorter prompt
     (or a later step) needs a new graph. The 'eager' backend traces exactly as inductor would, without
-    inductor's minutes of C++ compilation on a CPU."""
-    model = moe_model() if use_moe else tiny_model(std=0.3)
-    if use_moe:
-        if not V5:
-            pytest.skip("transformers 4.57 has no experts interface: MoE decodes through the host-synced dispatch")
+    inductor's minutes of C++ compilation on a CPU. The default MoE dispatch has no host sync when compiled."""
+    model = tiny_model(std=0.3) if variant == "dense" else moe_model(n_shared_experts=int(variant == "moe-shared"))
+    if variant == "moe-batched_mm":
         model.set_experts_implementation("batched_mm")
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, fullgraph=True, backend="eager", dynamic=False)

@@ -39,6 +39,9 @@ def test_save_and_reload_through_auto_classes_with_remote_code(tmp_path, tied):
         "AutoConfig": "configuration_minimind.MiniMindConfig",
         "AutoModel": "modeling_minimind.MiniMindModel",
         "AutoModelForCausalLM": "modeling_minimind.MiniMindForCausalLM",
+        "AutoModelForSequenceClassification": "modeling_minimind.MiniMindForSequenceClassification",
+        "AutoModelForTokenClassification": "modeling_minimind.MiniMindForTokenClassification",
+        "AutoModelForQuestionAnswering": "modeling_minimind.MiniMindForQuestionAnswering",
     }
     assert ("lm_head.weight" in _saved_keys(tmp_path)) == (not tied)
 

@@ -16,8 +16,8 @@ from modeling_minimind import (
     MiniMindAttention,
     MiniMindDecoderLayer,
     MiniMindForCausalLM,
-    MiniMindMoE,
     MiniMindRotaryEmbedding,
+    MiniMindSparseMoeBlock,
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
@@ -157,7 +157,7 @@ def test_block_preserves_BTD_on_every_route(route):
     else:
         out = layer(x, position_embeddings=rotary(x, torch.arange(5)[None]))
         assert out.shape == x.shape
-        assert isinstance(layer.mlp, MiniMindMoE) == (route == "moe")
+        assert isinstance(layer.mlp, MiniMindSparseMoeBlock) == (route == "moe")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def test_moe_block_under_bf16_autocast_equals_qwen3_moe_bit_for_bit(top_k):
 def test_moe_block_equals_plain_per_token_routing():
     config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
-    moe = MiniMindMoE(config)
+    moe = MiniMindSparseMoeBlock(config)
     x = torch.randn(2, 5, config.hidden_size)
     out = moe(x)
     logits, _, _ = moe.gate(x.view(-1, config.hidden_size))
@@ -550,8 +550,9 @@ def test_moe_aux_loss_in_loss_with_labels_and_absent_at_generation(monkeypatch):
     assert len(out.router_logits) == 2 and out.router_logits[0].shape == (12, 4)
 
     calls = []
-    original = modeling_minimind.load_balancing_loss
-    monkeypatch.setattr(modeling_minimind, "load_balancing_loss", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = modeling_minimind.load_balancing_loss_func
+    spy = lambda *a, **k: calls.append(1) or original(*a, **k)  # noqa: E731
+    monkeypatch.setattr(modeling_minimind, "load_balancing_loss_func", spy)
     plain = model(ids)
     assert plain.aux_loss is None and plain.router_logits is None and not calls
     generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
@@ -567,7 +568,7 @@ def test_router_gradient_from_the_block_output_equals_the_hand_computed_one(top_
     trains the router even though every weight is exactly 1."""
     config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k)
     torch.manual_seed(0)
-    moe = MiniMindMoE(config).double()
+    moe = MiniMindSparseMoeBlock(config).double()
     x = torch.randn(1, 5, config.hidden_size, dtype=torch.float64)
     upstream = torch.randn_like(x)
     (moe(x) * upstream).sum().backward()

@@ -124,18 +124,30 @@ except Exception as error:  # offline, no sdist for this version (a dev build), 
     pytest.skip(f"transformers {VERSION}'s test sources are unavailable: {error}", allow_module_level=True)
 
 import torch  # noqa: E402
-from transformers import (
+from transformers import (  # noqa: E402
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3ForQuestionAnswering,
+    Qwen3ForSequenceClassification,
+    Qwen3ForTokenClassification,
     Qwen3Model,
     Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,  # noqa: E402
+    Qwen3MoeForCausalLM,
+    Qwen3MoeForQuestionAnswering,
+    Qwen3MoeForSequenceClassification,
+    Qwen3MoeForTokenClassification,
     Qwen3MoeModel,
 )
 from transformers.models.auto import configuration_auto, modeling_auto  # noqa: E402
 
 from configuration_minimind import MiniMindConfig  # noqa: E402
-from modeling_minimind import MiniMindForCausalLM, MiniMindModel  # noqa: E402
+from modeling_minimind import (  # noqa: E402
+    MiniMindForCausalLM,
+    MiniMindForQuestionAnswering,
+    MiniMindForSequenceClassification,
+    MiniMindForTokenClassification,
+    MiniMindModel,
+)
 
 
 class TinyDecoderTester:
@@ -203,10 +215,16 @@ class CommonModelTests(common.ModelTesterMixin, training.TrainingTesterMixin):
 
 
 class Qwen3CommonTest(CommonModelTests, unittest.TestCase):
-    """The reference. Qwen3's sequence/token classification and QA heads are left out: MiniMind has none."""
+    """The reference: Qwen3's base model, task heads and causal LM (last: the one TrainingTesterMixin trains)."""
 
     config_class = Qwen3Config
-    all_model_classes = (Qwen3Model, Qwen3ForCausalLM)
+    all_model_classes = (
+        Qwen3Model,
+        Qwen3ForSequenceClassification,
+        Qwen3ForTokenClassification,
+        Qwen3ForQuestionAnswering,
+        Qwen3ForCausalLM,
+    )
 
 
 class Qwen3MoeCommonTest(CommonModelTests, unittest.TestCase):
@@ -214,7 +232,13 @@ class Qwen3MoeCommonTest(CommonModelTests, unittest.TestCase):
     kernel's 16-byte stride rule holds in half precision."""
 
     config_class = Qwen3MoeConfig
-    all_model_classes = (Qwen3MoeModel, Qwen3MoeForCausalLM)
+    all_model_classes = (
+        Qwen3MoeModel,
+        Qwen3MoeForSequenceClassification,
+        Qwen3MoeForTokenClassification,
+        Qwen3MoeForQuestionAnswering,
+        Qwen3MoeForCausalLM,
+    )
     config_kwargs = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
 
@@ -223,13 +247,16 @@ def minimind_registered():
     """What an in-tree model gets from transformers' auto tables: AutoConfig/AutoModel/AutoModelForCausalLM
     resolve MiniMind, and the tables of class names that the mixin reads (is this the base model? a causal LM,
     whose labels are token ids?) list it."""
-    patches = (
-        (configuration_auto.CONFIG_MAPPING._extra_content, {"minimind": MiniMindConfig}),
-        (modeling_auto.MODEL_MAPPING._extra_content, {MiniMindConfig: MiniMindModel}),
-        (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING._extra_content, {MiniMindConfig: MiniMindForCausalLM}),
-        (modeling_auto.MODEL_MAPPING_NAMES, {"minimind": "MiniMindModel"}),
-        (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, {"minimind": "MiniMindForCausalLM"}),
-    )
+    patches = [(configuration_auto.CONFIG_MAPPING._extra_content, {"minimind": MiniMindConfig})]
+    for table, model_class in (
+        ("MODEL", MiniMindModel),
+        ("MODEL_FOR_CAUSAL_LM", MiniMindForCausalLM),
+        ("MODEL_FOR_SEQUENCE_CLASSIFICATION", MiniMindForSequenceClassification),
+        ("MODEL_FOR_TOKEN_CLASSIFICATION", MiniMindForTokenClassification),
+        ("MODEL_FOR_QUESTION_ANSWERING", MiniMindForQuestionAnswering),
+    ):
+        patches.append((getattr(modeling_auto, f"{table}_MAPPING")._extra_content, {MiniMindConfig: model_class}))
+        patches.append((getattr(modeling_auto, f"{table}_MAPPING_NAMES"), {"minimind": model_class.__name__}))
     with contextlib.ExitStack() as stack:
         for table, entries in patches:
             stack.enter_context(mock.patch.dict(table, entries))
@@ -238,14 +265,20 @@ def minimind_registered():
 
 class MiniMindCommonTest(CommonModelTests, unittest.TestCase):
     config_class = MiniMindConfig
-    all_model_classes = (MiniMindModel, MiniMindForCausalLM)
+    all_model_classes = (
+        MiniMindModel,
+        MiniMindForSequenceClassification,
+        MiniMindForTokenClassification,
+        MiniMindForQuestionAnswering,
+        MiniMindForCausalLM,
+    )
     # The mixin dates a model by the "# Copyright <year>" line of its config file, which ours does not have.
     test_can_init_all_missing_weights_before_2023 = True
     # The mixin decides "has experts" from the modeling file's source, which serves dense and MoE alike.
     skips = {
         **CommonModelTests.skips,
-        "test_eager_matches_batched_and_grouped_inference": "a dense config has no experts to dispatch (the test "
-        "runs in MiniMindMoeCommonTest)",
+        "test_eager_matches_batched_and_grouped_inference": "transformers asks the class, which serves dense and MoE "
+        "configs alike; a dense model refuses an experts kernel as dense Qwen3 does (test_contract.py), MoE runs this",
     }
 
     @classmethod
