@@ -7,24 +7,27 @@ from minimind.cli.base import command, make_parser
 
 @command
 def export(argv=None):
-    """Export a MiniMind model directory to a native transformers Qwen3 checkpoint or to GGUF (llama.cpp).
+    """Export a MiniMind model directory to a native transformers Qwen3 checkpoint, to GGUF (llama.cpp) or to
+    ONNX with a KV cache (ONNX Runtime, optimum).
 
     minimind-export --to qwen3 --model_name_or_path runs/sft --output_dir runs/sft-qwen3
     minimind-export --to gguf  --model_name_or_path runs/sft --output_dir runs/gguf --outtype f16
+    minimind-export --to onnx  --model_name_or_path runs/sft --output_dir runs/onnx
 
     The tokenizer is taken from the model directory unless --tokenizer_name_or_path says otherwise.
     Settings the target cannot reproduce exactly (e.g. qk_norm=False) stop the export with a ValueError.
     """
     from pathlib import Path
 
-    from minimind.export import GGUF_OUTTYPES, export_gguf, export_qwen3
+    from minimind.export import GGUF_OUTTYPES, export_gguf, export_onnx, export_qwen3
 
     parser = make_parser(export.__doc__)
     parser.add_argument(
         "--to",
         required=True,
-        choices=("qwen3", "gguf"),
-        help="qwen3: transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM; gguf: llama.cpp file",
+        choices=("qwen3", "gguf", "onnx"),
+        help="qwen3: transformers Qwen3ForCausalLM / Qwen3MoeForCausalLM; gguf: llama.cpp file; "
+        "onnx: model.onnx with KV-cache inputs/outputs (pip install 'minimind[onnx]')",
     )
     parser.add_argument("--model_name_or_path", required=True, help="MiniMind directory (save_pretrained)")
     parser.add_argument("--output_dir", required=True)
@@ -38,6 +41,8 @@ def export(argv=None):
     args = parser.parse_args(argv)
     if args.to == "qwen3":
         written = export_qwen3(args.model_name_or_path, args.output_dir, args.tokenizer_name_or_path)
+    elif args.to == "onnx":
+        written = export_onnx(args.model_name_or_path, args.output_dir, args.tokenizer_name_or_path)
     else:
         name = args.outfile or f"{Path(args.model_name_or_path).resolve().name}-{args.outtype}.gguf"
         written = export_gguf(
