@@ -89,10 +89,13 @@ def files_to_upload(model_dir, tokenizer_dir=None):
         for auto_class in ("AutoConfig", "AutoModelForCausalLM"):
             if auto_class not in auto_map:
                 problems.append(f"config.json has no auto_map[{auto_class!r}], so trust_remote_code cannot load it")
+        named_by_file = {}  # one line per missing module file, however many classes name it
         for reference in (ref for ref in auto_map.values() if isinstance(ref, str)):
             module_file = reference.split("--")[-1].rsplit(".", 1)[0] + ".py"
+            named_by_file.setdefault(module_file, []).append(reference.split("--")[-1].rsplit(".", 1)[1])
+        for module_file, classes in named_by_file.items():
             if module_file not in files:
-                problems.append(f"auto_map names {reference!r} but {module_file} is not in {model_dir}")
+                problems.append(f"auto_map names {', '.join(classes)} but {module_file} is not in {model_dir}")
     if not any(name.endswith(".safetensors") for name in files):
         problems.append(
             f"no *.safetensors weights in {model_dir} (pytorch_model.bin is not published; re-save "

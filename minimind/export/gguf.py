@@ -35,6 +35,10 @@ def check_gguf_compatible(config):
                 (config.mlp_only_layers, config.decoder_sparse_step),
                 f"make layers {dense} dense, but llama.cpp's qwen3moe makes every layer an MoE layer",
             )
+        if getattr(config, "n_shared_experts", 0):
+            _refuse(
+                target, "n_shared_experts", config.n_shared_experts, "but llama.cpp's qwen3moe has no shared experts"
+            )
         if not config.norm_topk_prob:
             _refuse(
                 target,

@@ -18,6 +18,8 @@ def check_qwen3_compatible(config):
             "but Qwen3 always applies RMSNorm to q and k per head "
             "(a norm with weight 1 still normalises, so it cannot be switched off by weights)",
         )
+    if getattr(config, "n_shared_experts", 0):
+        _refuse("qwen3", "n_shared_experts", config.n_shared_experts, "but Qwen3-MoE has no shared experts")
     # Qwen3-MoE uses the same layer rule (mlp_only_layers, decoder_sparse_step) and gives dense layers
     # `intermediate_size`, experts `moe_intermediate_size`, as MiniMind does: nothing else to refuse.
 

@@ -90,6 +90,11 @@ def test_export_qwen3_refuses_qk_norm_false():
     assert check_qwen3_compatible(tiny_config(use_moe=True, decoder_sparse_step=2, num_hidden_layers=2)) is None
 
 
+def test_export_qwen3_refuses_shared_experts():
+    with pytest.raises(ValueError, match=r"^Cannot export to qwen3: n_shared_experts=1 but Qwen3-MoE has no shared"):
+        check_qwen3_compatible(tiny_config(use_moe=True, n_shared_experts=1))
+
+
 # ------------------------------------------------------------------------------------------------------
 # GGUF
 # ------------------------------------------------------------------------------------------------------
@@ -243,6 +248,7 @@ def test_gguf_moe_expert_tensors_and_counts(tmp_path):
         ({"use_moe": True, "decoder_sparse_step": 2}, "mlp_only_layers/decoder_sparse_step", "([], 2)"),
         ({"use_moe": True, "num_experts_per_tok": 2, "norm_topk_prob": False}, "norm_topk_prob", "False"),
         ({"attention_bias": True}, "attention_bias", "True"),
+        ({"use_moe": True, "n_shared_experts": 2}, "n_shared_experts", "2"),
         ({"qk_norm": False}, "qk_norm", "False"),
         ({"hidden_act": "gelu"}, "hidden_act", "'gelu'"),
         (

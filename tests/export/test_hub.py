@@ -168,8 +168,9 @@ def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path, capsy
         + "\n- ".join(
             [
                 f"Cannot publish {d}:",
-                f"auto_map names 'modeling_minimind.MiniMindModel' but modeling_minimind.py is not in {d}",
-                f"auto_map names 'modeling_minimind.MiniMindForCausalLM' but modeling_minimind.py is not in {d}",
+                "auto_map names MiniMindModel, MiniMindForCausalLM, MiniMindForQuestionAnswering, "
+                "MiniMindForSequenceClassification, MiniMindForTokenClassification "
+                f"but modeling_minimind.py is not in {d}",
                 "no generation_config.json (save_pretrained of the model writes it)",
                 f"no tokenizer.json in {d} {tokenizer_fix}",
                 f"no tokenizer_config.json in {d} {tokenizer_fix}",
