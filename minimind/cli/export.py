@@ -108,6 +108,7 @@ _CONVERT_INT_FLAGS = (
     "num_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
+    "n_shared_experts",
 )
 _CONVERT_FLOAT_FLAGS = ("rope_theta", "rms_norm_eps")
 _CONVERT_BOOL_FLAGS = ("use_moe", "qk_norm", "tie_word_embeddings", "norm_topk_prob", "inference_rope_scaling")
