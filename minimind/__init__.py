@@ -1,7 +1,7 @@
 """MiniMind beyond the model files: data, training, hub, export, serving.
 
-Importing the package registers MiniMind with transformers' Auto classes, so `AutoConfig`,
-`AutoModel` and `AutoModelForCausalLM` build and load MiniMind locally without remote code.
+Importing the package registers MiniMind with transformers' Auto classes, so `AutoConfig`, `AutoModel`,
+`AutoModelForCausalLM` and the task heads' Auto classes build and load MiniMind locally without remote code.
 """
 
 import logging
@@ -23,13 +23,39 @@ class _KnownImportNoise(logging.Filter):
 for _name in ("torchao", "torch.utils._pytree"):
     logging.getLogger(_name).addFilter(_KnownImportNoise())
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from configuration_minimind import MiniMindConfig  # noqa: E402
-from modeling_minimind import MiniMindForCausalLM, MiniMindModel  # noqa: E402
+from modeling_minimind import (  # noqa: E402
+    MiniMindForCausalLM,
+    MiniMindForQuestionAnswering,
+    MiniMindForSequenceClassification,
+    MiniMindForTokenClassification,
+    MiniMindModel,
+)
 
 AutoConfig.register(MiniMindConfig.model_type, MiniMindConfig, exist_ok=True)
-AutoModel.register(MiniMindConfig, MiniMindModel, exist_ok=True)
-AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
+for _auto_class, _model_class in (
+    (AutoModel, MiniMindModel),
+    (AutoModelForCausalLM, MiniMindForCausalLM),
+    (AutoModelForSequenceClassification, MiniMindForSequenceClassification),
+    (AutoModelForTokenClassification, MiniMindForTokenClassification),
+    (AutoModelForQuestionAnswering, MiniMindForQuestionAnswering),
+):
+    _auto_class.register(MiniMindConfig, _model_class, exist_ok=True)
 
-__all__ = ["MiniMindConfig", "MiniMindModel", "MiniMindForCausalLM"]
+__all__ = [
+    "MiniMindConfig",
+    "MiniMindModel",
+    "MiniMindForCausalLM",
+    "MiniMindForSequenceClassification",
+    "MiniMindForTokenClassification",
+    "MiniMindForQuestionAnswering",
+]

@@ -72,6 +72,16 @@ def test_saved_config_names_every_head_in_auto_map(tmp_path):
         assert auto_map[f"AutoModel{suffix}"] == f"modeling_minimind.MiniMind{suffix}"
 
 
+def test_package_registers_every_head_without_remote_code(tmp_path):
+    import minimind
+    import modeling_minimind
+
+    tiny_model().save_pretrained(tmp_path)
+    for auto_class, suffix, _ in HEADS.values():
+        head = auto_class.from_pretrained(tmp_path, trust_remote_code=False)
+        assert type(head) is getattr(modeling_minimind, f"MiniMind{suffix}") is getattr(minimind, f"MiniMind{suffix}")
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_outputs_are_the_classes_qwen3_returns(moe):
     model = tiny_model(**(MOE if moe else {}))
