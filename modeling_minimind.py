@@ -711,15 +711,24 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         return labels[:, -logits.shape[1] :]
 
 
-class MiniMindForSequenceClassification(GenericForSequenceClassification, MiniMindPreTrainedModel):
+class MiniMindTaskHead(MiniMindPreTrainedModel):
+    def __init__(self, config):
+        # MiniMind: transformers' generic heads build their backbone with AutoModel.from_config. Loaded as remote
+        # code, the config's class can be another module's copy of MiniMindConfig than the one registered below,
+        # so the backbone is registered for the config's own class.
+        AutoModel.register(type(config), MiniMindModel, exist_ok=True)
+        super().__init__(config)
+
+
+class MiniMindForSequenceClassification(GenericForSequenceClassification, MiniMindTaskHead):
     pass
 
 
-class MiniMindForTokenClassification(GenericForTokenClassification, MiniMindPreTrainedModel):
+class MiniMindForTokenClassification(GenericForTokenClassification, MiniMindTaskHead):
     pass
 
 
-class MiniMindForQuestionAnswering(GenericForQuestionAnswering, MiniMindPreTrainedModel):
+class MiniMindForQuestionAnswering(GenericForQuestionAnswering, MiniMindTaskHead):
     pass  # MiniMind: the backbone stays `model` (Qwen3's is `transformer`), so causal-LM checkpoints load into it
 
 
