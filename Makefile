@@ -64,7 +64,7 @@ gpu-check:
 # run whatever is edited meanwhile, and mutants/ never lands in the checkout. MUTATE_SAMPLE mutants per module are
 # drawn at random with MUTATE_SEED (0: every mutant, hours on 2 cores); `mutmut results` in .cache/mutmut lists the
 # survivors and `mutmut show NAME` shows one. docs/testing.md has the scores.
-MUTATE_MODULES ?= data training/arguments training/model training/saving training/checkpoints training/trainers \
+MUTATE_MODULES ?= data/validate data/pretrain data/sft data/collate data/store data/cache data/prepare training/arguments training/model training/saving training/checkpoints training/trainers \
 	training/curves training/recipes export chat
 MUTATE_SAMPLE ?= 30
 MUTATE_SEED ?= 20261130

@@ -12,7 +12,9 @@ COMMANDS = {
     "sft": "sft",
     "lora": "lora",
     "dpo": "dpo",
+    "reward": "reward",
     "distill": "distill",
+    "prepare": "prepare",
     "grpo": "grpo",
     "demo": "demo",
     "chat": "chat",
@@ -50,6 +52,10 @@ setup(
     ],
     extras_require={
         "export": ["gguf>=0.19"],
+        # `minimind-export --to onnx`: torch.onnx's dynamo exporter needs onnx and onnxscript; onnxruntime runs the
+        # graph (the export checks its logits with it, and the tests decode with it). optimum is left out: optimum-onnx
+        # 0.1.0 requires transformers<4.58.
+        "onnx": ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"],
         "llama_cpp": ["llama-cpp-python>=0.3.36"],
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
         "eval": ["lm-eval>=0.4.13"],
@@ -60,6 +66,7 @@ setup(
         # pytest-xdist: `make test` runs the suite in two worker processes (PYTEST_WORKERS)
         # ruff: `make test` checks lint and format first; pinned so that every machine formats alike
         # tensorboard: the `--report_to tensorboard` test
+        # onnx, onnxscript, onnxruntime: `minimind-export --to onnx` and its test (tests/export/test_onnx.py)
         "dev": [
             "ruff==0.17.6",
             "tensorboard>=2.15",
@@ -74,6 +81,9 @@ setup(
             "gradio>=6.0",
             "playwright>=1.40",
             "torchao>=0.18",
+            "onnx>=1.23",
+            "onnxscript>=0.7",
+            "onnxruntime>=1.32",
         ],
     },
 )

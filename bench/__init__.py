@@ -5,8 +5,8 @@ root with `python -m bench [flags]` (`make bench`); it writes docs/results.md.
 
 Entry point: `run_benchmark(BenchmarkSettings(...))` -> `BenchmarkReport` (rows + markdown), or `PeersReport`
 with `table="peers"`. Modules: workloads (settings, rows, selection), measure (timing, memory, ceilings,
-machine), qwen3 (the main table), peers with llama_cpp, sft and serve (the peers table), report (tables and the
-results file), __main__ (the command line).
+machine), qwen3 (the main table), peers with llama_cpp, sft and serve (the peers table), data (the data table:
+preparing 10-500 MB corpora), report (tables and the results file), __main__ (the command line).
 """
 
 import torch
@@ -33,6 +33,10 @@ def run_benchmark(settings, log=print, on_row=None):
             return run_main(settings, device, log, on_row)
         if settings.table == "peers":
             return run_peers(settings, threads, log, on_row)
+        if settings.table == "data":
+            from bench.data import run_data
+
+            return run_data(settings, log, on_row)
         # Both tables: --rows may name rows of either, so only a pattern matching neither is an error.
         main_rows = [w.row_id for w in default_workloads(settings.quick, device.type)]
         peer_rows = [w.row_id for w in peer_workloads()]

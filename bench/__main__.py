@@ -6,6 +6,7 @@ python -m bench                          # full run -> docs/results.md
 python -m bench --quick --output /tmp/bench.md
 python -m bench --rows 'decode-*' --device cuda
 python -m bench --table peers            # llama.cpp on our GGUF export, padded vs padding-free SFT, the server
+python -m bench --table data             # preparing 10, 100 and 500 MB corpora: MB/s, peak RSS, cached first step
 """
 
 import argparse
@@ -50,7 +51,8 @@ def parser():
         default="main",
         choices=TABLES,
         help="main: vs transformers' Qwen3; peers: llama.cpp on the GGUF export and padded vs "
-        "padding-free SFT (CPU), its section replacing the output file's '## Peers'; all: both",
+        "padding-free SFT (CPU), its section replacing the output file's '## Peers'; all: both; data: preparing "
+        "pretraining and SFT corpora of 10-500 MB (its own '## Data preparation' section)",
     )
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="markdown file to write ('-' = none)")
     return parser

@@ -18,7 +18,8 @@ INTRO = (
 MACHINE_TITLE = "Machine"
 MAIN_TITLE = "MiniMind vs transformers' Qwen3 / Qwen3-MoE"
 PEERS_TITLE = "Peers"
-TABLE_SECTIONS = (MAIN_TITLE, PEERS_TITLE)  # what runs write, in this order after the machine
+DATA_TITLE = "Data preparation"  # bench.data.TITLE
+TABLE_SECTIONS = (MAIN_TITLE, PEERS_TITLE, DATA_TITLE)  # what runs write, in this order after the machine
 
 
 def _bullets(details):

@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 
 EQUAL_TOLERANCE = 0.03  # a ratio within 3% of 1.0 counts as equal
-TABLES = ("main", "peers", "all")
+TABLES = ("main", "peers", "all", "data")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -26,7 +26,7 @@ class BenchmarkSettings:
     profile: list = field(default_factory=list)  # glob patterns over row ids: log a torch.profiler table of each
     seed: int = 0
     command: str = ""  # the command line, recorded in the report
-    table: str = "main"  # "main" (vs transformers) | "peers" (llama.cpp, padding-free SFT) | "all"
+    table: str = "main"  # "main" (vs transformers) | "peers" (llama.cpp, padding-free SFT) | "all" | "data"
 
 
 def row_matches(row_id, patterns):

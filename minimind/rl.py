@@ -8,7 +8,8 @@ comparison, with no judge model.
 Every reward here has TRL's reward-function signature, `f(prompts, completions, completion_ids, **columns) ->
 list[float]`, so any of them can be handed to `GRPOTrainer(reward_funcs=...)` directly. The command combines the
 chosen ones with TRL's `reward_weights`; a user's own function (`--reward module:function`) and a
-sequence-classification reward model (`--reward_model PATH`) join the same list.
+sequence-classification reward model (`--reward_model PATH`: one `minimind-reward` wrote, or one of an architecture
+transformers ships; loaded without running code from the directory) join the same list.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minimind.data import read_jsonl, split_train_eval
+from minimind.data import split_train_eval
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,12 @@ def question_dataset(path, skip_bad_lines=False, question_pattern=None):
     for a malformed file, like every training command."""
     from datasets import Dataset
 
-    from minimind.data import DataFormatError
+    from minimind.data import DataFormatError, SkipLog, iter_rows, no_rows_error
 
-    rows, _ = read_jsonl(path, "sft", skip_bad_lines)
-    questions = {}
-    for row in rows:
+    skips = SkipLog(path, skip_bad_lines)
+    questions, chats = {}, 0
+    for _, row in iter_rows(path, "sft", skips):  # one line at a time: only the questions are kept
+        chats += 1
         messages = row["conversations"]
         for asked, reply in zip(messages, messages[1:]):
             if asked["role"] != "user" or reply["role"] != "assistant" or reply.get("tool_calls"):
@@ -67,6 +69,9 @@ def question_dataset(path, skip_bad_lines=False, question_pattern=None):
             answer = reference_answer(reply.get("content") or "")
             if answer is not None and (question_pattern is None or re.search(question_pattern, asked["content"])):
                 questions.setdefault(asked["content"], answer)
+    skips.warn()
+    if not chats:
+        raise no_rows_error(path, "sft", skips.count)
     if not questions:
         raise DataFormatError(
             f"{path}: no question{' matching ' + repr(question_pattern) if question_pattern else ''}"
@@ -225,7 +230,7 @@ def grpo_config_class():
 def run_grpo(model_args, data_args, reward_args, training_args):
     """GRPO on the chat file's checkable questions (see `question_dataset`) with the rewards `reward_args` chooses.
     Returns (trainer, metrics); the output directory also gets reward_curve.md (step | mean reward)."""
-    from minimind.training import build_model, load_tokenizer, setup_run, train_and_save
+    from minimind.training import build_model, load_scoring_model, load_tokenizer, setup_run, train_and_save
 
     if training_args.reward_weights is not None:
         raise ValueError(
@@ -246,12 +251,19 @@ def run_grpo(model_args, data_args, reward_args, training_args):
         "grpo: %d train / %d eval questions", len(train_dataset), len(eval_dataset) if eval_dataset is not None else 0
     )
     functions, training_args.reward_weights = reward_functions(reward_args)
+    # A --reward_model directory is opened here, not by TRL (which would need remote code for a MiniMind one): checked
+    # first, with the installed class, its tokenizer beside it; no code shipped in the directory runs.
+    reward_tokenizers = [None] * len(functions)
+    for i, function in enumerate(functions):
+        if isinstance(function, str):
+            functions[i], reward_tokenizers[i] = load_scoring_model(function)
     model = build_model(model_args, tokenizer)
     if eval_dataset is None:
         training_args.eval_strategy = "no"
     trainer = grpo_trainer_class()(
         model=model,
         reward_funcs=functions,
+        reward_processing_classes=reward_tokenizers,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,

@@ -209,10 +209,18 @@ def encode_conversation(
     exactly the ids of ``tokenizer(rendered_text)``.  "<think>", "</think>", "<tool_call>" and "</tool_call>"
     are not special (see the module docstring) and stay single tokens everywhere.
     """
+    plan = plan_conversation(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
+    return encode_planned(tokenizer, [plan])[0]
+
+
+def plan_conversation(
+    tokenizer, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False, **template_kwargs
+):
+    """The rendering half of `encode_conversation` (raises what the chat template raises): the pieces, and the text
+    as (start, text, is_marker) segments: the template's markers and the runs between them."""
     pieces = render_conversation(tokenizer, messages, tools, add_generation_prompt, **template_kwargs)
     markers = sorted(tokenizer.all_special_tokens, key=len, reverse=True)
     marker_pattern = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
-    # The text as (start, text, is_marker) segments: the template's markers and the runs between them.
     segments: list[tuple[int, str, bool]] = []
     run_start, run_text, position = 0, "", 0
     for text, is_message_text in pieces:
@@ -229,24 +237,48 @@ def encode_conversation(
             position += len(part)
     if run_text:
         segments.append((run_start, run_text, False))
+    return pieces, segments
 
-    run_texts = [text for _, text, is_marker in segments if not is_marker]
+
+def encode_planned(tokenizer, plans: list) -> list[ChatEncoding]:
+    """The tokenising half of `encode_conversation`, for many planned conversations in one tokenizer call."""
+    run_texts = [text for _, segments in plans for _, text, is_marker in segments if not is_marker]
     encoded = iter(zip(*_tokenize_as_text(tokenizer, run_texts)))
-    input_ids, offsets = [], []
-    for start, text, is_marker in segments:
-        if is_marker:
-            input_ids.append(tokenizer.convert_tokens_to_ids(text))
-            offsets.append((start, start + len(text)))
-        else:
-            ids, spans = next(encoded)
-            input_ids.extend(ids)
-            offsets.extend((start + lo, start + hi) for lo, hi in spans)
-    return ChatEncoding(pieces, input_ids, offsets)
+    encodings, marker_ids = [], {}
+    for pieces, segments in plans:
+        input_ids, offsets = [], []
+        for start, text, is_marker in segments:
+            if is_marker:
+                if text not in marker_ids:
+                    marker_ids[text] = tokenizer.convert_tokens_to_ids(text)
+                input_ids.append(marker_ids[text])
+                offsets.append((start, start + len(text)))
+            else:
+                ids, spans = next(encoded)
+                input_ids.extend(ids)
+                offsets.extend((start + lo, start + hi) for lo, hi in spans)
+        encodings.append(ChatEncoding(pieces, input_ids, offsets))
+    return encodings
 
 
 def _tokenize_as_text(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     if not texts:
         return [], []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (
+        backend is not None
+        and hasattr(backend, "encode_special_tokens")
+        and not (backend.truncation or backend.padding)
+    ):
+        # What tokenizer(texts, split_special_tokens=True, return_offsets_mapping=True) does, without converting
+        # every encoding to a BatchEncoding (most of the time of encoding a chat).
+        previous = backend.encode_special_tokens
+        backend.encode_special_tokens = True
+        try:
+            encodings = backend.encode_batch(texts, add_special_tokens=False)
+        finally:
+            backend.encode_special_tokens = previous
+        return [e.ids for e in encodings], [e.offsets for e in encodings]
     encoded = tokenizer(texts, add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True)
     return encoded["input_ids"], encoded["offset_mapping"]
 

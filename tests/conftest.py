@@ -10,6 +10,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Remote-code modules are copied here on load; keep them out of the user's cache.
 os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="minimind-hf-modules-"))
+# Tokenized data and compiled decode steps are cached per run of the suite, never in the user's cache.
+os.environ.setdefault("MINIMIND_CACHE", tempfile.mkdtemp(prefix="minimind-cache-"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

@@ -8,11 +8,12 @@ in-process. Work modules are imported inside the functions: `minimind-chat --hel
 """
 
 from minimind.cli.base import command
+from minimind.cli.data import prepare
 from minimind.cli.evaluate import evaluate
 from minimind.cli.export import convert, export, push_to_hub
 from minimind.cli.generate import COMPILE_NOTICE, chat, serve, web
 from minimind.cli.tokenizer import train_tokenizer
-from minimind.cli.train import demo, distill, dpo, grpo, lora, pretrain, sft
+from minimind.cli.train import demo, distill, dpo, grpo, lora, pretrain, reward, sft
 
 __all__ = [
     "COMPILE_NOTICE",
@@ -26,8 +27,10 @@ __all__ = [
     "export",
     "grpo",
     "lora",
+    "prepare",
     "pretrain",
     "push_to_hub",
+    "reward",
     "serve",
     "sft",
     "train_tokenizer",

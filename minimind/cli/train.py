@@ -1,5 +1,5 @@
-"""The training commands: pretrain, sft, lora, dpo, distill, grpo and the demo (every TrainingArguments flag, see
-minimind.training)."""
+"""The training commands: pretrain, sft, lora, dpo, reward, distill, grpo and the demo (every TrainingArguments flag,
+see minimind.training)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,21 @@ def dpo(argv=None):
         argv, training_args_class=dpo_config_class(), output_dir="out/dpo", data_path=BUNDLED_DATA["dpo"]
     )
     return run_dpo(model_args, data_args, training_args)
+
+
+@command
+def reward(argv=None):
+    """Train a reward model with TRL's RewardTrainer on preference pairs (data/dpo.jsonl format) from the SFT
+    checkpoint: MiniMindForSequenceClassification, one score per chat; every RewardConfig flag.
+
+    minimind-reward --model_name_or_path runs/sft --output_dir runs/reward --max_steps 200
+    """
+    from minimind.training import BUNDLED_DATA, parse_args, reward_config_class, run_reward
+
+    model_args, data_args, training_args = parse_args(
+        argv, training_args_class=reward_config_class(), output_dir="out/reward", data_path=BUNDLED_DATA["dpo"]
+    )
+    return run_reward(model_args, data_args, training_args)
 
 
 @command

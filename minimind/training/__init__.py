@@ -13,6 +13,8 @@ Every name is importable from here; each lives in the module that does its job:
 - `curves`: loss_curve.md and loss_curve.png from the log history.
 - `recipes`: `run_training`, the one recipe, and the commands' `run_pretrain`, `run_sft`, `run_lora`, `run_dpo`,
   `run_distill`.
+- `reward`: reward models with TRL's RewardTrainer (`run_reward`, `reward_config_class`) and their checked loading
+  (`load_reward_model`, and `load_scoring_model` for GRPO's `--reward_model`).
 """
 
 from minimind.training.arguments import (
@@ -66,6 +68,15 @@ from minimind.training.recipes import (
     setup_run,
     train_and_save,
 )
+from minimind.training.reward import (
+    build_reward_model,
+    check_reward_directory,
+    load_reward_model,
+    load_scoring_model,
+    reward_config_class,
+    reward_trainer_class,
+    run_reward,
+)
 from minimind.training.saving import (
     RESUME_ONLY_FILES,
     STAGING_DIR,
@@ -113,6 +124,8 @@ __all__ = [
     "ModelArguments",
     "build_config",
     "build_model",
+    "build_reward_model",
+    "check_reward_directory",
     "checkpoint_dirs",
     "checkpoint_problems",
     "disk_is_full",
@@ -126,15 +139,20 @@ __all__ = [
     "latest_complete_checkpoint",
     "load_causal_lm",
     "load_datasets",
+    "load_reward_model",
+    "load_scoring_model",
     "load_tokenizer",
     "loss_curve",
     "parse_args",
     "perplexity",
     "resolve_resume_checkpoint",
+    "reward_config_class",
+    "reward_trainer_class",
     "run_distill",
     "run_dpo",
     "run_lora",
     "run_pretrain",
+    "run_reward",
     "run_sft",
     "run_training",
     "save_final_model",

@@ -46,7 +46,12 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
-    data_path: str | None = field(default=None, metadata={"help": "JSONL training file (see minimind/data.py)."})
+    data_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "JSONL training file (formats: minimind/data/validate.py), or a directory minimind-prepare made."
+        },
+    )
     max_seq_length: int = field(
         default=512, metadata={"help": "Pretraining: packed block length. Chat data: truncation length."}
     )
@@ -56,6 +61,19 @@ class DataArguments:
     )
     skip_bad_lines: bool = field(
         default=False, metadata={"help": "Skip malformed lines with a warning instead of stopping at the first one."}
+    )
+    data_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where tokenised data is cached (default: $MINIMIND_CACHE/data, else ~/.cache/minimind/data)."
+        },
+    )
+    num_proc: int | None = field(
+        default=None, metadata={"help": "Processes that tokenise the data (default: every available core)."}
+    )
+    prepare_only: bool = field(
+        default=False,
+        metadata={"help": "Tokenise and cache the data, print where and how many tokens, and stop (no model)."},
     )
 
 

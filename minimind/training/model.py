@@ -3,7 +3,6 @@ loaded from a directory or built new from a preset and size flags."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from configuration_minimind import MiniMindConfig
 
 # Importing the minimind package registers MiniMind with the Auto classes (used by from_config below).
-from minimind.data import build_dataset, read_jsonl, split_train_eval
+from minimind.data import build_dataset, build_dpo_dataset, split_train_eval
 from minimind.loading import load_model, model_directory, read_minimind_config
 from minimind.tokenizer import load_tokenizer as _load_checked_tokenizer
 
@@ -52,21 +51,14 @@ def load_tokenizer(model_args):
 def load_datasets(kind, data_args, tokenizer, seed=42, padding_free=False):
     """(train, eval or None) for kind pretrain/sft/dpo. Raises DataFormatError for bad or empty data.
 
-    DPO pairs are validated here (file:line errors) and stay conversations: TRL tokenises them (prompt = the
-    shared messages, completions = the two final assistant replies)."""
+    Pretrain and sft rows are tokenised once and cached (memory-mapped `minimind.data.TokenDataset`s); a prepared
+    directory is read directly. DPO pairs are validated here (file:line errors) and stay conversations, in Arrow
+    files: TRL tokenises them (prompt = the shared messages, completions = the two final assistant replies)."""
     if not data_args.data_path:
         raise ValueError("no training data. Fix: pass --data_path FILE.jsonl")
+    options = dict(data_cache_dir=data_args.data_cache_dir)
     if kind == "dpo":
-        from datasets import Dataset
-
-        rows, _ = read_jsonl(data_args.data_path, "dpo", data_args.skip_bad_lines)
-        # Tools as a JSON string: TRL parses it back; as a column of nested structs Arrow would merge its keys.
-        dataset = Dataset.from_list(
-            [
-                {"chosen": row["chosen"], "rejected": row["rejected"], "tools": json.dumps(row.get("tools") or None)}
-                for row in rows
-            ]
-        )
+        dataset = build_dpo_dataset(data_args.data_path, data_args.skip_bad_lines, **options)
     else:
         dataset = build_dataset(
             kind,
@@ -75,6 +67,8 @@ def load_datasets(kind, data_args, tokenizer, seed=42, padding_free=False):
             data_args.max_seq_length,
             skip_bad_lines=data_args.skip_bad_lines,
             padding_free=padding_free,
+            num_proc=data_args.num_proc,
+            **options,
         )
     return split_train_eval(dataset, data_args.eval_fraction, seed)
 

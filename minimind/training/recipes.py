@@ -50,6 +50,24 @@ def setup_run(training_args):
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
 
 
+def prepared_metrics(train_dataset, eval_dataset, training_args):
+    """--prepare_only: what was prepared and where (printed by the main process), instead of training."""
+    directory = getattr(train_dataset, "directory", None)
+    if directory is None and getattr(train_dataset, "cache_files", None):  # DPO pairs: Arrow files
+        directory = Path(train_dataset.cache_files[0]["filename"]).parent
+    metrics = {
+        "data": str(directory),
+        "train_rows": len(train_dataset),
+        "eval_rows": len(eval_dataset) if eval_dataset is not None else 0,
+    }
+    meta = getattr(train_dataset, "meta", None)
+    if meta is not None:
+        metrics.update(tokens=meta["tokens"], stored_tokens=meta["stored_tokens"])
+    if training_args.process_index == 0:
+        print(" ".join(f"{name}={value}" for name, value in metrics.items()), flush=True)
+    return metrics
+
+
 def train_and_save(trainer, training_args):
     """Train (resuming if asked), save the final HF directory, evaluate, and save metrics and the loss curve."""
     uses_scaler = getattr(trainer.accelerator, "scaler", None) is not None
@@ -76,9 +94,14 @@ def run_training(
     (trainer, metrics); metrics include eval_loss and eval_perplexity when --eval_fraction > 0."""
     setup_run(training_args)
     tokenizer = load_tokenizer(model_args)
-    train_dataset, eval_dataset = load_datasets(
-        kind, data_args, tokenizer, training_args.seed, padding_free=training_args.padding_free
-    )
+    # Under torchrun/accelerate the main process of each machine tokenises (or finds the cache); the others wait,
+    # then open the same cache entry. Each rank's DataLoader then reads its own share of the rows.
+    with training_args.main_process_first(desc="tokenising the data"):
+        train_dataset, eval_dataset = load_datasets(
+            kind, data_args, tokenizer, training_args.seed, padding_free=getattr(training_args, "padding_free", False)
+        )
+    if getattr(data_args, "prepare_only", False):
+        return None, prepared_metrics(train_dataset, eval_dataset, training_args)
     logger.info(
         "%s data: %d train / %d eval examples",
         kind,

@@ -218,7 +218,7 @@ ONE_STEP = [
     "--disable_tqdm",
     "true",
 ]
-DATA_KIND = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo", "distill": "sft"}
+DATA_KIND = {"pretrain": "pretrain", "sft": "sft", "lora": "sft", "dpo": "dpo", "reward": "dpo", "distill": "sft"}
 
 
 def run_training(main, name, argv, workspace):

@@ -278,9 +278,14 @@ def test_matching_checkpoint_loads_as_saved(tmp_path):
 @pytest.mark.parametrize("command", ["pretrain", "grpo"])
 def test_training_refuses_bad_model_before_data(command, tmp_path, capsys, monkeypatch):
     """Training refuses a bad starting model before reading its data."""
-    import minimind.data
+    import minimind.rl
+    import minimind.training.recipes
 
-    monkeypatch.setattr(minimind.data, "_read_numbered_rows", lambda *a, **k: pytest.fail("the data was read"))
+    def read_data(*args, **kwargs):
+        pytest.fail("the data was read")
+
+    monkeypatch.setattr(minimind.training.recipes, "load_datasets", read_data)
+    monkeypatch.setattr(minimind.rl, "question_dataset", read_data)
     plant_code_dir(tmp_path / "planted")
     for path, error in (
         ("missing", "no such directory: missing"),
