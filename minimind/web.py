@@ -33,6 +33,12 @@ THINKING_TITLE = "Thinking"
 logger = logging.getLogger(__name__)
 
 
+def _announce(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
+
+
 def reply_messages(text: str, finished: bool = True) -> list[dict]:
     """The chat messages that show one reply, complete or still streaming: its reasoning as a thought (a folded
     section titled "Thinking"), then the answer. A reply without reasoning is a single message. Both texts are
@@ -113,9 +119,11 @@ class LoadedModel:
         dtype: str = "float32",
         compile: bool = False,
         int8: bool = False,
+        compile_cache_dir=None,
     ):
         self.choices = choices
         self.device, self.dtype, self.compile, self.int8 = device, dtype, compile, int8
+        self.compile_cache_dir = compile_cache_dir  # `CompiledDecoder.keep_steps`
         self.name = None
         self.model = self.tokenizer = self.decoder = None
         self._lock = threading.Lock()  # a load and a reply may arrive together from two browser events
@@ -131,6 +139,10 @@ class LoadedModel:
                     self.choices[name], self.device, self.dtype, self.int8
                 )
                 self.decoder = CompiledDecoder(self.model) if self.compile else None
+                if self.decoder is not None:
+                    # the step for a reply's first bucket, loaded (or compiled) now, the reply waiting for it
+                    self.decoder.keep_steps(self.compile_cache_dir, announce=_announce)
+                    self.decoder.prepare(1, 1, background=True)
                 self.name = name
             return self.model, self.tokenizer, self.decoder
 
@@ -179,6 +191,7 @@ def build_app(
     enable_thinking: bool = True,
     compile: bool = False,
     int8: bool = False,
+    compile_cache_dir=None,
 ):
     """The chat page as a `gr.Blocks` that offers the models in `model_paths` (every one checked, the first
     loaded, so a bad path fails here, not on the first message). `compile`: replies through
@@ -191,7 +204,7 @@ def build_app(
 
     defaults = defaults or SamplingParams(temperature=CHAT_TEMPERATURE, top_p=CHAT_TOP_P)
     choices = model_choices([model_paths] if isinstance(model_paths, str) else list(model_paths))
-    loaded = LoadedModel(choices, device, dtype, compile, int8)
+    loaded = LoadedModel(choices, device, dtype, compile, int8, compile_cache_dir)
     first = next(iter(choices))
     loaded.get(first)
 

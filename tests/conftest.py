@@ -4,6 +4,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -36,6 +37,17 @@ def torch_threads(count):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def no_decode_step_left_building():
+    """A command run in-process (chat, the page) may return while its decode step is still being built in a
+    background thread; the next test must not trace beside it."""
+    yield
+    compiled = sys.modules.get("minimind.decode.compiled")  # not imported where the decoders never ran
+    for thread in threading.enumerate() if compiled else ():
+        if thread.name == compiled.PREPARE_THREAD:
+            thread.join()
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,29 @@ def _add_model_flags(parser):
 
 
 COMPILE_NOTICE = (
-    "the first reply compiles the decode step for this model (10-60 s on a CPU) before it starts streaming; "
-    "--no-compile answers at once, decoding more slowly"
+    "compiling the decode step for this model in the background (about a minute on a CPU, once: later starts load "
+    "it from the compile cache in about a second); a reply sent before it is done waits for it; --no-compile "
+    "answers at once, decoding more slowly"
 )
+
+
+def _announce(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def _compiled_decoder(model, args, announce=None):
+    """The chat command's decoder, its step loaded from the compile cache or compiled in the background while the
+    user types; says which once."""
+    from minimind.decode import CACHE_BUCKET, CompiledDecoder
+
+    decoder = CompiledDecoder(model)
+    decoder.keep_steps(False if args.compile_cache_dir == "" else args.compile_cache_dir, announce)
+    if decoder.is_packaged(1, CACHE_BUCKET):
+        _announce(f"reusing the decode step compiled for this model before ({decoder.packages.directory})")
+    else:
+        _announce(COMPILE_NOTICE)
+    decoder.prepare(1, CACHE_BUCKET, background=True)
+    return decoder
 
 
 def _add_decode_flags(parser):
@@ -28,8 +48,14 @@ def _add_decode_flags(parser):
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="decode with the one-token step compiled against a static cache (default; the first "
-        "reply waits 10-60 s for compilation on a CPU); --no-compile uses model.generate",
+        help="decode with the one-token step compiled against a static cache (default; compiled once per model, "
+        "about a minute on a CPU, then loaded from --compile_cache_dir); --no-compile uses model.generate",
+    )
+    parser.add_argument(
+        "--compile_cache_dir",
+        default=None,
+        help="where compiled decode steps are kept between starts (default: $MINIMIND_CACHE/compiled, else "
+        "~/.cache/minimind/compiled); '' keeps none",
     )
     parser.add_argument(
         "--int8",
@@ -74,10 +100,7 @@ def chat(argv=None):
     model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype, args.int8)
     decoder = None
     if args.compile:
-        from minimind.decode import CompiledDecoder
-
-        decoder = CompiledDecoder(model)
-        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+        decoder = _compiled_decoder(model, args)
     params = engine.SamplingParams(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -95,6 +118,8 @@ def chat(argv=None):
         enable_thinking=args.enable_thinking,
         decoder=decoder,
     )
+    if decoder is not None:
+        decoder.wait_prepared()  # a chat left before its first reply still keeps the step for the next start
 
 
 @command
@@ -195,6 +220,12 @@ def serve(argv=None):
         default=True,
         help="--engine compiled: --no-compile runs its steps eagerly",
     )
+    parser.add_argument(
+        "--compile_cache_dir",
+        default=None,
+        help="--engine compiled: where its compiled steps are kept between starts (default: "
+        "$MINIMIND_CACHE/compiled, else ~/.cache/minimind/compiled); '' keeps none",
+    )
     args = parser.parse_args(argv)
     limits = serving.ServerLimits(
         max_context=args.max_context,
@@ -217,8 +248,10 @@ def serve(argv=None):
     except ValueError as error:
         parser.error(str(error))
     if args.engine == "compiled" and args.compile:
-        print(f"compiling the decode step for batches of {generator.engine.batch_sizes} rows ...", flush=True)
-        print(f"compiled in {generator.engine.warm_up():.0f} s", flush=True)
+        decoder = generator.engine.decoder
+        decoder.keep_steps(False if args.compile_cache_dir == "" else args.compile_cache_dir, _announce)
+        print(f"preparing the decode step for batches of {generator.engine.batch_sizes} rows ...", flush=True)
+        print(f"ready in {generator.engine.warm_up():.0f} s", flush=True)
     if not args.api_key and not serving.is_loopback_host(args.host):
         address = f"[{args.host}]" if ":" in args.host else args.host
         print(
@@ -296,6 +329,7 @@ def web(argv=None):
         enable_thinking=args.enable_thinking,
         compile=args.compile,
         int8=args.int8,
+        compile_cache_dir=False if args.compile_cache_dir == "" else args.compile_cache_dir,
     )
     if args.compile:
         print(COMPILE_NOTICE, file=sys.stderr, flush=True)

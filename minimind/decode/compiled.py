@@ -31,7 +31,9 @@ anything it does not cover is refused with a ValueError.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
+import threading
 import time
 import types
 import warnings
@@ -42,6 +44,14 @@ from transformers.cache_utils import Cache
 
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
+from minimind.decode.packages import (
+    StepPackages,
+    code_digest,
+    default_cache_dir,
+    entry_material,
+    inputs_signature,
+    weights_digest,
+)
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
@@ -49,6 +59,11 @@ from minimind.decode.sampling import choose_tokens, sampling_warpers
 # makes a long bucket cost no decoding speed, only memory: keys and values for every position of every row.
 CACHE_BUCKET = 1024
 _decoder_ids = itertools.count()
+# torch.export, AOTInductor and dynamo keep tracing state in module globals: two decoders compiling at once (the
+# page loading a second model while the first one's step is still being built in the background) would trace
+# over each other, so builds take turns.
+BUILD_LOCK = threading.RLock()
+PREPARE_THREAD = "minimind-decode-prepare"  # the name of the thread that builds a step ahead of the first reply
 
 
 def cache_length(needed: int) -> int:
@@ -60,13 +75,21 @@ class CompiledStep:
     tests use to check a decode loop against `model.generate` without paying for compilation). A subclass says
     what one step is (`_forward_one(token, position, cache) -> logits`) and runs it through `_next_logits`."""
 
-    def __init__(self, model, compile: bool = True):
+    def __init__(self, model, compile: bool = True, cache_dir=None, announce=None):
         if model.training:
             raise ValueError(f"{type(self).__name__} needs a model in eval mode: call model.eval() first")
         self.model = model
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
-        self.compile_seconds = 0.0  # time spent in the first call of each new cache length (compilation)
+        self.compile_seconds = 0.0  # time spent building or loading the step of each new shape
+        # "aoti": AOTInductor packages kept in `cache_dir` (None: `default_cache_dir()`; False: none kept), built
+        # once per model, shape, torch and CPU; "inductor": torch.compile in this process, where the model cannot
+        # be exported (torchao's int8 weights) or a package cannot be built. The same inductor settings either way.
+        self.backend = "aoti" if _exportable(model) else "inductor"
+        self.keep_steps(cache_dir, announce)
+        self._packaged: dict[tuple, object] = {}  # inputs signature -> the loaded package's runner
+        self._run = None  # the runner of the cache in `_compiled_for` (None: the torch.compile'd step)
+        self._digests: tuple[str, str] | None = None
         self._step = torch.compile(self._own_step(), fullgraph=True, dynamic=False) if compile else self._forward_one
         self._compiled_for: Cache | None = None
         # The steps attend through grouped_query_sdpa where the model attends through SDPA (the prompt keeps the
@@ -123,6 +146,9 @@ class CompiledStep:
             config._attn_implementation = previous
 
     def _next_logits(self, token, position, cache):
+        if self._run is not None and cache is self._compiled_for:
+            # the loader's own call, without the Python wrapper's per-call parsing of its input and output specs
+            return self._run.loader.boxed_run(self._step_inputs(token, position, cache))[0]
         if self.compiled and cache is self._compiled_for:
             # Between the steps of one reply nothing dynamo's guards check changes (every module attribute and
             # tensor the step reads), so only the guards that tell this decoder's graphs apart run. The settings
@@ -151,9 +177,14 @@ class CompiledStep:
         """A step on a cache this decoder has not stepped last (a new graph, or a graph of another cache length),
         with every guard checked; compilation happens here."""
         batch = token.shape[0]
+        run = self._package_or_fallback(token, position, cache)
+        if run is not None:
+            self._run, self._compiled_for = run, cache
+            return run.loader.boxed_run(self._step_inputs(token, position, cache))[0]
+        self._run = None
         started = time.perf_counter()
         try:
-            with self._compile_settings(batch):
+            with BUILD_LOCK, self._compile_settings(batch):
                 logits = self._step(token, position, cache)
         except Exception as error:  # compilation runs on fake tensors: the cache is untouched
             warnings.warn(
@@ -170,13 +201,169 @@ class CompiledStep:
     def _forward_one(self, token, position, cache):
         raise NotImplementedError
 
+    # What a package's step takes besides the token and its position: the tensors of the cache it reads and writes
+    # in place (`_cache_state`), and the cache seen over other tensors of the same shapes (`_cache_over`), which is
+    # what the step is exported with.
+    def _cache_state(self, cache) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _cache_over(self, cache, position, state):
+        raise NotImplementedError
+
+    def _step_inputs(self, token, position, cache) -> list[torch.Tensor]:
+        return [token, position, *self._cache_state(cache)]
+
+    def _material(self, inputs, batch: int) -> dict:
+        if self._digests is None:  # reading every weight once per decoder, not once per shape
+            self._digests = (weights_digest(self.model), code_digest(self.model))
+        settings = {**self.inductor_settings(batch), "step_attention": self.step_attention}
+        return entry_material(self.model, type(self).__name__, inputs, settings, *self._digests)
+
+    def is_packaged(self, batch: int, needed: int) -> bool:
+        """Whether a package of the step for `batch` rows and a cache of `needed` positions is in the cache directory,
+        so that the first reply of that shape loads it instead of compiling (what the commands announce)."""
+        if not (self.compiled and self.backend == "aoti"):
+            return False
+        token, position, cache = self._example(batch, needed)
+        return self.packages.has(self._material(self._step_inputs(token, position, cache), batch))
+
+    def _example(self, batch: int, needed: int):
+        raise NotImplementedError
+
+    def keep_steps(self, cache_dir=None, announce=None) -> None:
+        """Where this decoder keeps and looks for its packages (None: `default_cache_dir()`; False: nowhere) and what
+        it calls with a line when it builds or reuses one."""
+        self.packages = StepPackages(None if cache_dir is False else (cache_dir or default_cache_dir()))
+        self.announce = announce
+
+    def _package_or_fallback(self, token, position, cache):
+        """`_package`, or None (with a warning) where the step cannot be packaged: then torch.compile builds it."""
+        if not (self.compiled and self.backend == "aoti"):
+            return None
+        try:
+            with BUILD_LOCK:
+                return self._package(token, position, cache)
+        except Exception as error:  # export or AOTInductor failed
+            warnings.warn(
+                f"could not build an AOTInductor package of the decode step ({type(error).__name__}: "
+                f"{str(error)[:300]}); compiling it with torch.compile, at every start",
+                stacklevel=3,
+            )
+            self.backend = "inductor"
+            return None
+
+    def _package(self, token, position, cache):
+        """The loaded package of the step for these inputs' shapes: from this decoder's own, the cache directory, or
+        built (exported, compiled by AOTInductor with `inductor_settings`) and kept there."""
+        inputs = self._step_inputs(token, position, cache)
+        signature = tuple(map(tuple, map(lambda row: tuple(map(str, row)), inputs_signature(inputs))))
+        if signature in self._packaged:
+            return self._packaged[signature]
+        started = time.perf_counter()
+        batch = token.shape[0]
+        material = self._material(inputs, batch)
+        run = self.packages.load(material)
+        if run is not None:
+            self._say(
+                f"reusing the compiled decode step from {self.packages.directory} "
+                f"({time.perf_counter() - started:.1f} s)"
+            )
+        else:
+            where = f"kept in {self.packages.directory} for later starts" if self.packages.directory else "not kept"
+            self._say(
+                f"compiling the decode step for {batch} row(s) x {_cache_positions(inputs)} cache positions "
+                f"(about a minute on a CPU, once per model and shape; {where}) ..."
+            )
+            run = self.packages.build(material, lambda path: self._compile_package(inputs, cache, batch, path))
+            self._say(f"compiled in {time.perf_counter() - started:.0f} s")
+        self.compile_seconds += time.perf_counter() - started
+        self._packaged[signature] = run
+        return run
+
+    def _compile_package(self, inputs, cache, batch, path):
+        step = _ExportedStep(self, cache)
+        settings = self.inductor_settings(batch)
+        settings.pop("cpp_wrapper")  # AOTInductor's wrapper is C++ anyway
+        # The export sees fake tensors only: the cache it traces over is untouched.
+        with (
+            torch.no_grad(),
+            torch._dynamo.config.patch(capture_scalar_outputs=True),
+            torch._inductor.config.patch(settings),
+        ):
+            program = torch.export.export(step, (inputs[0], inputs[1], inputs[2:]), strict=False)
+            torch._inductor.aoti_compile_and_package(program, package_path=path)
+
+    def _say(self, line: str) -> None:
+        if self.announce is not None:
+            self.announce(line)
+
+
+class _ExportedStep(torch.nn.Module):
+    """The step as `torch.export` takes it: a module holding the model (whose weights freezing makes constants)
+    called with the token, its position and the cache's tensors."""
+
+    def __init__(self, decoder: CompiledStep, cache):
+        super().__init__()
+        self.model = decoder.model
+        self._decoder, self._cache = decoder, cache
+
+    def forward(self, token, position, state):
+        return self._decoder._forward_one(token, position, self._decoder._cache_over(self._cache, position, state))
+
+
+def _exportable(model) -> bool:
+    """Plain tensors only: torchao's int8 weights are tensor subclasses, which the package would have to unwrap."""
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+
+
+def _cache_positions(inputs) -> int:
+    return max(t.shape[-2] for t in inputs[2:] if t.dim() >= 4)
+
 
 class CompiledDecoder(CompiledStep):
     """`generate` for unpadded prompts, with the decode step compiled."""
 
-    def __init__(self, model, compile: bool = True):
-        super().__init__(model, compile)
+    def __init__(self, model, compile: bool = True, cache_dir=None, announce=None):
+        super().__init__(model, compile, cache_dir, announce)
         self._cache: StaticCache | None = None
+        self._preparing: threading.Thread | None = None
+
+    def _cache_state(self, cache):
+        return [t for layer in cache.layers for t in (layer.keys, layer.values, layer.cumulative_length)]
+
+    def _cache_over(self, cache, position, state):
+        view = copy.copy(cache)
+        view.layers = []
+        for index, layer in enumerate(cache.layers):
+            layer = copy.copy(layer)
+            layer.keys, layer.values, layer.cumulative_length = state[3 * index : 3 * index + 3]
+            view.layers.append(layer)
+        return view
+
+    def _example(self, batch, needed):
+        cache = self._fresh_cache(batch, needed)
+        return torch.zeros(batch, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long), cache
+
+    def prepare(self, batch: int = 1, needed: int = 1, background: bool = False) -> None:
+        """Loads (or builds) the step for `batch` rows and a cache of `needed` positions now rather than at the first
+        reply of that shape; `background`: in a thread, which the next `generate` waits for (the chat command
+        compiles while the user types the first message)."""
+        if not (self.compiled and self.backend == "aoti"):
+            return
+        if background:
+            self._preparing = threading.Thread(
+                target=self.prepare, args=(batch, needed), name=PREPARE_THREAD, daemon=True
+            )
+            self._preparing.start()
+            return
+        token, position, cache = self._example(batch, needed)
+        with torch.no_grad(), self._step_kernel():
+            self._package_or_fallback(token, position, cache)
+
+    def wait_prepared(self) -> None:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
 
     def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
         out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
@@ -233,6 +420,7 @@ class CompiledDecoder(CompiledStep):
             )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.wait_prepared()  # the step and the cache it was prepared on are this thread's from here on
         batch, prompt_length = input_ids.shape
         if streamer is not None and batch > 1:
             raise ValueError(f"a streamer takes one sequence, got a batch of {batch}; stream one prompt at a time")

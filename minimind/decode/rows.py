@@ -100,6 +100,12 @@ class RowDecoder(CompiledStep):
         """tokens [R, 1] at `cache.positions` -> logits [R, V]; the caller moves the positions of busy rows on."""
         return self._next_logits(tokens, cache.positions, cache)
 
+    def _cache_state(self, cache):  # the positions are the step's `position`
+        return [cache.keys, cache.values]
+
+    def _cache_over(self, cache, position, state):
+        return RowCache(cache.config, position.shape[0], cache.length, None, None, _tensors=(*state, position))
+
     def _forward_one(self, token, position, cache):  # token [R, 1], position [R]
         seen = torch.arange(cache.length, device=position.device)[None, :] <= position[:, None]  # [R, L]
         out = self.model(

@@ -121,7 +121,9 @@ def export_onnx(model_name_or_path, output_dir, tokenizer_name_or_path=None, ops
     output_dir.mkdir(parents=True, exist_ok=True)
     wrapper = OnnxCausalLM(model).eval()
     layers = config.num_hidden_layers
-    with torch.no_grad(), warnings.catch_warnings():
+    from minimind.decode.compiled import BUILD_LOCK  # tracing takes turns with a decode step being compiled
+
+    with BUILD_LOCK, torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on axis names and deprecated pytree classes
         program = torch.onnx.export(
             wrapper,

@@ -20,6 +20,15 @@ from minimind.decode import (
 )
 
 
+@pytest.fixture(autouse=True)
+def compile_cache(tmp_path, monkeypatch):
+    """Each test's compiled steps go to a directory of its own: a package left by another test (or by the user's
+    commands) would turn a compilation under test into a load."""
+    directory = tmp_path / "compiled"
+    monkeypatch.setenv("MINIMIND_COMPILE_CACHE", str(directory))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(std=0.3)
@@ -216,15 +225,17 @@ def test_failed_compile_warns_and_runs_eager(model):
     def no_compiler(*args):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
-    decoder._step = no_compiler
-    with pytest.warns(
-        UserWarning,
-        match=r"torch.compile could not build the decode step \(RuntimeError: "
-        r"InvalidCxxCompiler: No working C\+\+ compiler found\); decoding "
-        r"without compilation from here on",
-    ):
+    decoder._step = decoder._compile_package = no_compiler
+    with pytest.warns(UserWarning) as warned:
         out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
-    assert decoder.compiled is False
+    # the package first, then torch.compile in the process, then no compilation
+    assert [str(w.message) for w in warned if "decode step" in str(w.message)] == [
+        "could not build an AOTInductor package of the decode step (RuntimeError: InvalidCxxCompiler: No working "
+        "C++ compiler found); compiling it with torch.compile, at every start",
+        "torch.compile could not build the decode step (RuntimeError: InvalidCxxCompiler: No working C++ compiler "
+        "found); decoding without compilation from here on (minimind-chat --no-compile skips the try)",
+    ]
+    assert decoder.compiled is False and decoder.backend == "inductor"
     assert torch.equal(out, CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=12, **greedy()))
 
 
@@ -348,13 +359,92 @@ def test_row_cache_views_rows_and_moves_sequences(model):
 
 @pytest.mark.slow
 def test_row_steps_equal_generate(model, monkeypatch):
-    """Compiled row steps equal generate, with one graph per batch size."""
+    """Compiled row steps equal generate, with one package per batch size."""
     decoder = RowDecoder(model)
     poison_unwritten_positions(decoder, monkeypatch)
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     rows = decode_rows_as_a_server_does(decoder, model)
     assert rows == [alone(model, prompt, len(tokens)) for prompt, tokens in zip(ROW_PROMPTS, rows)]
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs - before == 3  # 1, 2 and 4 rows
-    assert decode_rows_as_a_server_does(decoder, model) == rows  # a new cache, the same batch sizes: no new graph
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert decoder.packages.built == len(decoder._packaged) == 3  # 1, 2 and 4 rows
+    assert decode_rows_as_a_server_does(decoder, model) == rows  # a new cache, the same batch sizes: nothing new
+    assert decoder.packages.built == len(decoder._packaged) == 3 and decoder.packages.loaded == 0
+
+
+def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch):
+    """An entry is named by the weights, dtype, shapes, torch and CPU it was built for: change any and it is another
+    entry (a miss, so a new build), never the old one."""
+    import copy
+
+    from minimind.decode import packages
+
+    def material(decoder, batch=1, needed=64):
+        token, position, cache = decoder._example(batch, needed)
+        return decoder._material(decoder._step_inputs(token, position, cache), batch)
+
+    base = material(CompiledDecoder(model))
+    assert material(CompiledDecoder(model)) == base  # the same model, a new decoder: the same entry
+    other_weights = copy.deepcopy(model)
+    with torch.no_grad():
+        other_weights.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
+    changed = {
+        "weights": material(CompiledDecoder(other_weights)),
+        "dtype": material(CompiledDecoder(copy.deepcopy(model).to(torch.bfloat16))),
+        "batch": material(CompiledDecoder(model), batch=2),
+        "bucket": material(CompiledDecoder(model), needed=CACHE_BUCKET + 1),
+    }
+    monkeypatch.setattr(torch, "__version__", "0.0.0+other")
+    changed["torch"] = material(CompiledDecoder(model))
+    monkeypatch.undo()
+    monkeypatch.setattr(packages, "cpu_features", lambda: {"capability": "AVX2", "cpuinfo": {}})
+    changed["cpu"] = material(CompiledDecoder(model))
+    names = {key: packages.entry_name(value) for key, value in changed.items()}
+    assert packages.entry_name(base) not in names.values() and len(set(names.values())) == len(names)
+
+
+def test_stale_or_damaged_entries_are_deleted_not_loaded(tmp_path, monkeypatch):
+    """An entry whose recorded material differs from what is asked for, or whose package fails its size or checksum,
+    is deleted and reported as a miss; only an intact entry for exactly this material is loaded."""
+    from minimind.decode.packages import StepPackages, entry_name
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: ("loaded", open(path, "rb").read()))
+    store = StepPackages(tmp_path)
+    material = {"weights": "a", "torch": torch.__version__}
+    assert store.load(material) is None and not store.has(material)
+    assert store.build(material, lambda path: open(path, "wb").write(b"package")) == ("loaded", b"package")
+    assert store.has(material) and store.load(material) == ("loaded", b"package") and store.loaded == 1
+    package, meta = store.paths(entry_name(material))
+    # the same name with other material recorded (a collision, a copied file): deleted, not loaded
+    meta.write_text(meta.read_text().replace('"a"', '"b"'))
+    assert store.load(material) is None and not package.exists() and not meta.exists()
+    for damage in (b"pack", b"pAckage"):  # truncated; same size, other bytes
+        store.build(material, lambda path: open(path, "wb").write(b"package"))
+        package.write_bytes(damage)
+        assert store.load(material) is None and not package.exists()
+    assert [reason.split(":")[0] for _, reason in store.discarded] == ["_Invalid"] * 3
+    assert not list(tmp_path.glob(".*"))  # no half-written files left
+
+
+@pytest.mark.slow
+def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
+    """The second decoder of the same model loads the package the first one built (no export, no compilation) and
+    decodes generate's tokens; a damaged package is built again."""
+    first = CompiledDecoder(model)
+    out = first.generate(PROMPT, max_new_tokens=30, **greedy())
+    assert torch.equal(out, reference(model, 30, **greedy()))
+    assert (first.packages.built, first.packages.loaded) == (1, 0)
+    [package] = compile_cache.glob("*.pt2")
+    built = package.read_bytes()
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+        patch.setattr(torch.export, "export", no_compiling)
+        second = CompiledDecoder(model)
+        assert second.is_packaged(1, PROMPT.shape[1] + 30)
+        assert torch.equal(second.generate(PROMPT, max_new_tokens=30, **greedy()), out)
+        assert (second.packages.built, second.packages.loaded) == (0, 1)
+    package.write_bytes(built[: len(built) // 2])  # truncated
+    third = CompiledDecoder(model)
+    assert torch.equal(third.generate(PROMPT, max_new_tokens=30, **greedy()), out)
+    assert (third.packages.built, third.packages.loaded, len(third.packages.discarded)) == (1, 0, 1)

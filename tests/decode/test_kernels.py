@@ -9,6 +9,13 @@ from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_mod
 from minimind.decode import CompiledDecoder, compiled, cpu_vendor, fp32_product_kernel, fp32_products
 
 
+@pytest.fixture(autouse=True)
+def compile_in_process(monkeypatch):
+    """These tests read the kernels inductor picks while torch.compile compiles the step in this process (the
+    path taken where a step cannot be packaged ahead of time); the packaged path is tests/decode/test_compiled.py's."""
+    monkeypatch.setattr(compiled, "_exportable", lambda model: False)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(std=0.3)

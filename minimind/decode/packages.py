@@ -1,0 +1,226 @@
+"""Compiled decode steps kept on disk between starts: AOTInductor packages (`torch._inductor.aoti_compile_and_package`,
+as torchchat ships its models), one file per step, in a cache directory (`default_cache_dir()`).
+
+Why AOTInductor and not inductor's own caches: a frozen step's graph holds oneDNN-packed weights, which inductor's
+FX-graph cache cannot pickle, and its C++ wrapper names each constant by an identity hash that changes between
+processes, so with `torch.compile` every start traces, lowers and builds the step again. An AOTInductor package is
+the whole compiled step, its frozen (prepacked) weights included, as one shared library: a later start loads it and
+decodes without tracing or compiling anything.
+
+A package is only valid for exactly what it was built from, so its entry is named by a digest of all of it
+(`entry_material`): the weights and buffers themselves, the config, the source of the model and of this package,
+the step's input shapes and strides (batch, cache length), inductor's settings, torch's, transformers' and Python's
+versions, the CPU (torch's capability level, maker, model and feature flags, the ISA overrides torch and oneDNN
+read) and the number of threads (inductor's C++ GEMM template blocks its loops for it). Beside each package a JSON
+file holds that material with the package's size and SHA-256: an entry whose material differs (a digest
+collision, a copied file) or whose package does not match its checksum (a truncated or damaged file) is deleted
+and built again, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+FORMAT = 1  # bump when what a package holds or how it is called changes
+_SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
+
+
+def default_cache_dir() -> Path:
+    """$MINIMIND_COMPILE_CACHE, else $MINIMIND_CACHE/compiled (beside the data cache), else
+    $XDG_CACHE_HOME/minimind/compiled (~/.cache/minimind/compiled)."""
+    if os.environ.get("MINIMIND_COMPILE_CACHE"):
+        return Path(os.environ["MINIMIND_COMPILE_CACHE"]).expanduser()
+    if os.environ.get("MINIMIND_CACHE"):
+        return Path(os.environ["MINIMIND_CACHE"]).expanduser() / "compiled"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "minimind" / "compiled"
+
+
+def cpu_features() -> dict:
+    """What the compiled kernels depend on in the CPU: inductor picks its vector ISA from torch's capability level,
+    oneDNN and MKL dispatch on the feature flags, and both honour the overrides in the environment."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "model name", "flags") and key not in info:
+                    info[key] = " ".join(sorted(value.split())) if key == "flags" else value.strip()
+    except OSError:
+        pass
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpuinfo": info,
+        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+    }
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of the model's config and of every parameter and buffer (name, dtype, shape, bytes): the frozen step
+    holds them as constants, so any change to them, a further training step included, is another entry. Tied
+    weights are read once."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    seen = set()
+    for name, tensor in model.state_dict(keep_vars=False).items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        data = tensor.detach().cpu().contiguous()
+        if data.numel():
+            digest.update(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+    return digest.hexdigest()
+
+
+def code_digest(model) -> str:
+    """SHA-256 of the source the step is traced from: the model's module file and this package's decode modules."""
+    import inspect
+
+    digest = hashlib.sha256()
+    files = [inspect.getsourcefile(type(model))] + [os.path.join(os.path.dirname(__file__), s) for s in _SOURCES]
+    for path in files:
+        digest.update(Path(path).read_bytes() if path and os.path.exists(path) else b"")
+    return digest.hexdigest()
+
+
+def inputs_signature(inputs) -> list:
+    return [[list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype), t.device.type] for t in inputs]
+
+
+def entry_material(model, kind: str, inputs, settings: dict, weights: str, code: str) -> dict:
+    import transformers
+
+    return {
+        "format": FORMAT,
+        "step": kind,
+        "weights": weights,
+        "code": code,
+        "inputs": inputs_signature(inputs),
+        "settings": {key: _setting(value) for key, value in sorted(settings.items())},
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_features(),
+    }
+
+
+def _setting(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    uuid = getattr(value, "uuid", None)  # inductor's custom passes name themselves by a hash of their source
+    return f"{type(value).__name__}:{uuid() if callable(uuid) else value!r}"
+
+
+def entry_name(material: dict) -> str:
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class StepPackages:
+    """The packages in one directory (`None`: none kept; each step is built into a temporary file and loaded).
+    `loaded` and `built` count what this object did; `discarded` lists (entry, reason) for entries it deleted."""
+
+    def __init__(self, directory: str | os.PathLike | None):
+        self.directory = Path(directory) if directory is not None else None
+        self.loaded = self.built = 0
+        self.discarded: list[tuple[str, str]] = []
+
+    def paths(self, name: str) -> tuple[Path, Path]:
+        return self.directory / f"{name}.pt2", self.directory / f"{name}.json"
+
+    def has(self, material: dict) -> bool:
+        """Whether a package for `material` is on disk (not yet checked for damage)."""
+        if self.directory is None:
+            return False
+        package, meta = self.paths(entry_name(material))
+        return package.exists() and meta.exists()
+
+    def load(self, material: dict):
+        """The loaded package for `material`, or None when there is none; a stale or damaged entry is deleted."""
+        if self.directory is None:
+            return None
+        name = entry_name(material)
+        package, meta = self.paths(name)
+        if not meta.exists():
+            return None
+        try:
+            recorded = json.loads(meta.read_text())
+            if recorded.get("material") != material:
+                raise _Invalid("built from something else")
+            if not package.exists() or package.stat().st_size != recorded["size"]:
+                raise _Invalid("the package is missing or its size differs")
+            if _file_sha256(package) != recorded["sha256"]:
+                raise _Invalid("the package's checksum differs")
+            runner = torch._inductor.aoti_load_package(str(package))
+        except Exception as error:  # anything unreadable is rebuilt, never used
+            self.discarded.append((name, f"{type(error).__name__}: {error}"))
+            self._remove(name)
+            return None
+        self.loaded += 1
+        return runner
+
+    def build(self, material: dict, compile_package):
+        """Runs `compile_package(path)` (writes a package to `path`), keeps the package under its entry when there is
+        a directory to keep it in, and returns it loaded."""
+        self.built += 1
+        if self.directory is not None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                return self._build_into_directory(material, compile_package)
+            except OSError:  # not writable: the step still gets built, only not kept
+                pass
+        with tempfile.TemporaryDirectory(prefix="minimind-step-") as scratch:
+            path = os.path.join(scratch, "step.pt2")
+            compile_package(path)
+            return torch._inductor.aoti_load_package(path)
+
+    def _build_into_directory(self, material, compile_package):
+        name = entry_name(material)
+        package, meta = self.paths(name)
+        # Written under temporary names and renamed into place, the package before its JSON: a process stopped
+        # half-way, or another one building the same entry, leaves no entry that looks complete and is not.
+        descriptor, scratch = tempfile.mkstemp(prefix=f".{name}.", suffix=".pt2", dir=self.directory)
+        os.close(descriptor)
+        try:
+            compile_package(scratch)
+            record = {"material": material, "size": os.path.getsize(scratch), "sha256": _file_sha256(Path(scratch))}
+            os.replace(scratch, package)
+        finally:
+            if os.path.exists(scratch):
+                os.remove(scratch)
+        descriptor, scratch_meta = tempfile.mkstemp(prefix=f".{name}.", suffix=".json", dir=self.directory)
+        with os.fdopen(descriptor, "w") as file:
+            json.dump(record, file, indent=1, sort_keys=True)
+        os.replace(scratch_meta, meta)
+        return torch._inductor.aoti_load_package(str(package))
+
+    def _remove(self, name: str) -> None:
+        for path in self.paths(name):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+class _Invalid(Exception):
+    pass
