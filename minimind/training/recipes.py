@@ -22,6 +22,7 @@ import transformers
 from minimind.data import collator
 from minimind.distributed import shard_for_cpu_fsdp
 from minimind.loading import load_native_causal_lm
+from minimind.training.arguments import slow_bf16_warning
 from minimind.training.checkpoints import resolve_resume_checkpoint
 from minimind.training.curves import write_loss_curve
 from minimind.training.model import build_model, load_datasets, load_tokenizer
@@ -48,6 +49,9 @@ def setup_run(training_args):
     # PEFT 0.21 (LoRA) and TRL 1.16 (DPO, every step) read the `is_gradient_checkpointing` that transformers 5.24
     # deprecates; the warning asks the user of a command for nothing they could change.
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    slow_bf16 = slow_bf16_warning(training_args)
+    if slow_bf16:
+        logger.warning(slow_bf16)
 
 
 def prepared_metrics(train_dataset, eval_dataset, training_args):

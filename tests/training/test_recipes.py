@@ -646,3 +646,21 @@ def test_report_to_tensorboard_writes_the_logged_losses(tmp_path, data):
     expected = [(entry["step"], entry["loss"]) for entry in trainer.state.log_history if "loss" in entry]
     assert [step for step, _ in logged] == [1, 2, 3] == [step for step, _ in expected]
     assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("bf16", "native", "warned"),
+    [(True, False, True), (True, True, False), (True, None, False), (False, False, False)],
+)
+def test_bf16_on_a_cpu_without_it_warns_before_training(bf16, native, warned, monkeypatch, tmp_path, capsys):
+    from minimind.training import MiniMindTrainingArguments, arguments, recipes
+
+    monkeypatch.setattr(arguments, "cpu_native_bf16", lambda: native)
+    training_args = MiniMindTrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=bf16)
+    recipes.setup_run(training_args)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "--bf16" in line]
+    assert len(lines) == (1 if warned else 0)
+    assert not warned or lines[0].endswith(
+        "WARNING minimind.training: --bf16 on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16): training "
+        "runs many times slower than in fp32; drop --bf16 to train in fp32"
+    )
