@@ -145,6 +145,31 @@ def _tied_copy_differs(directory: Path, tied: dict[str, str]) -> list[str]:
     ]
 
 
+def listed(names) -> str:
+    """Tensor names for a one-line message: the first six, sorted, and how many more."""
+    names = sorted(names)
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+def shape_mismatches(model, directory: Path, optional=()) -> list[str]:
+    """What stops the weights in `directory` from filling `model` (a meta-device instance): missing (`optional`
+    ones aside), unexpected and mis-shaped tensors, one entry per kind; read from the headers, no tensor data."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    found = _weight_shapes(directory)
+    problems = []
+    if missing := [name for name in expected if name not in found and name not in optional]:
+        problems.append(f"missing {listed(missing)}")
+    if unexpected := [name for name in found if name not in expected]:
+        problems.append(f"unexpected {listed(unexpected)}")
+    if misshaped := [
+        f"{name} (weights {list(found[name])}, config {list(shape)})"
+        for name, shape in expected.items()
+        if name in found and found[name] != shape
+    ]:
+        problems.append(f"mis-shaped {listed(misshaped)}")
+    return problems
+
+
 def weight_mismatches(directory: Path, config: MiniMindConfig) -> list[str]:
     """What stops the weights in `directory` from filling the model `config` builds, one entry per kind
     (missing, unexpected, mis-shaped, an untied copy of a tied tensor); empty when they match."""
@@ -155,24 +180,7 @@ def weight_mismatches(directory: Path, config: MiniMindConfig) -> list[str]:
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {}) if config.tie_word_embeddings else {}
     if config.tie_word_embeddings and not tied:  # transformers 4.x names only the tied side
         tied = {"lm_head.weight": "model.embed_tokens.weight"}
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    found = _weight_shapes(directory)
-
-    def listed(names):
-        names = sorted(names)
-        return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-
-    problems = []
-    if missing := [name for name in expected if name not in found and name not in tied]:
-        problems.append(f"missing {listed(missing)}")
-    if unexpected := [name for name in found if name not in expected]:
-        problems.append(f"unexpected {listed(unexpected)}")
-    if misshaped := [
-        f"{name} (weights {list(found[name])}, config {list(shape)})"
-        for name, shape in expected.items()
-        if name in found and found[name] != shape
-    ]:
-        problems.append(f"mis-shaped {listed(misshaped)}")
+    problems = shape_mismatches(model, directory, optional=tied)
     if not problems and (untied := _tied_copy_differs(directory, tied)):
         problems.append(
             f"config.json ties {listed(untied)} to the embeddings but the weights hold a different "

@@ -32,33 +32,15 @@ def reward_config_class():
     return RewardConfig
 
 
-def _listed(names):
-    names = sorted(names)
-    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-
-
 def reward_head_mismatches(directory, config) -> list[str]:
     """What stops the weights in `directory` from filling the `MiniMindForSequenceClassification` that `config`
     builds (missing, unexpected, mis-shaped tensors); empty when they match. Reads no tensor data."""
-    from minimind.loading import _weight_shapes
+    from minimind.loading import shape_mismatches
     from modeling_minimind import MiniMindForSequenceClassification
 
     with torch.device("meta"):
         model = MiniMindForSequenceClassification(config)
-    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    found = _weight_shapes(directory)
-    problems = []
-    if missing := [name for name in expected if name not in found]:
-        problems.append(f"missing {_listed(missing)}")
-    if unexpected := [name for name in found if name not in expected]:
-        problems.append(f"unexpected {_listed(unexpected)}")
-    if misshaped := [
-        f"{name} (weights {list(found[name])}, config {list(shape)})"
-        for name, shape in expected.items()
-        if name in found and found[name] != shape
-    ]:
-        problems.append(f"mis-shaped {_listed(misshaped)}")
-    return problems
+    return shape_mismatches(model, directory)
 
 
 def check_reward_directory(name_or_path, *, head_required=False, hub=True):

@@ -379,8 +379,8 @@ def send(page, message, replies_before):
                && document.querySelector('button[aria-label=Retry]') !== null
                && document.querySelector('[data-testid=stop-button]') === null""",
         arg=replies_before,
-        timeout=90_000,
-    )  # the first reply waits for the decode step to compile
+        timeout=180_000,
+    )  # each model's first reply waits for its decode step to be built (export and AOTInductor, on a busy CPU)
 
 
 def bot_texts(page):
