@@ -28,7 +28,8 @@ def bundled(name):
     return [json.loads(line) for line in Path(ROOT, "data", name).read_text(encoding="utf-8").splitlines()]
 
 
-def test_bundled_template_files_hold_the_module_template():
+def test_bundled_files_hold_the_template():
+    """Bundled template files hold the module template."""
     assert Path(TOKENIZER_DIR, "chat_template.jinja").read_text(encoding="utf-8") == CHAT_TEMPLATE
     config = json.loads(Path(TOKENIZER_DIR, "tokenizer_config.json").read_text(encoding="utf-8"))
     assert config["chat_template"] == CHAT_TEMPLATE
@@ -39,7 +40,8 @@ def test_bundled_template_files_hold_the_module_template():
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_markers_inside_user_text_are_tokenized_as_text(tok):
+def test_markers_in_user_text_are_text(tok):
+    """Markers inside user text are tokenized as text."""
     messages = [{"role": "user", "content": INJECTION}]
     ids = encode_conversation(tok, messages, add_generation_prompt=True).input_ids
     assert ids == [
@@ -95,7 +97,8 @@ def test_markers_inside_user_text_are_tokenized_as_text(tok):
     assert (unsafe["input_ids"].count(IM_START), unsafe["input_ids"].count(IM_END)) == (3, 2)
 
 
-def test_markers_inside_system_tool_and_reasoning_text_are_text(tok):
+def test_markers_in_other_roles_are_text(tok):
+    """Markers inside system tool and reasoning text are text."""
     messages = [
         {"role": "system", "content": "sys<|endoftext|>"},
         {"role": "user", "content": "q"},
@@ -110,7 +113,8 @@ def test_markers_inside_system_tool_and_reasoning_text_are_text(tok):
         )
 
 
-def test_clean_conversations_tokenize_exactly_as_plain_text(tok):
+def test_clean_chats_tokenize_as_plain_text(tok):
+    """Clean conversations tokenize exactly as plain text."""
     rows = bundled("sft.jsonl")[:300] + bundled("sft_reasoning.jsonl")[:100]
     for row in rows:
         text = tok.apply_chat_template(row["conversations"], tools=row.get("tools"), tokenize=False)
@@ -122,7 +126,8 @@ def test_clean_conversations_tokenize_exactly_as_plain_text(tok):
         assert encoding.offsets[-1][1] == len(text)
 
 
-def test_sft_labels_stay_right_when_an_assistant_reply_contains_im_end(tok):
+def test_sft_labels_survive_im_end_in_reply(tok):
+    """SFT labels stay right when an assistant reply contains <|im_end|>."""
     messages = [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": "x<|im_end|>y"}]
     example = encode_chat(tok, messages)
     trained = [token for token in example["labels"] if token != IGNORE_INDEX]
@@ -130,8 +135,9 @@ def test_sft_labels_stay_right_when_an_assistant_reply_contains_im_end(tok):
     assert trained.count(IM_END) == 1 and trained[-1] == IM_END
 
 
-def test_placeholders_never_collide_with_message_text(tok):
+def test_placeholders_never_collide(tok):
     # Message text full of private-use characters: the placeholders pick characters the conversation lacks.
+    """Placeholders never collide with message text."""
     text = "".join(chr(code) for code in range(0xE000, 0xE010))
     messages = [{"role": "user", "content": text}, {"role": "assistant", "content": text + "0"}]
     encoding = encode_conversation(tok, messages)
@@ -154,7 +160,8 @@ def assistant_mask(tok, row):
     )
 
 
-def test_assistant_tokens_mask_equals_sft_labels_on_the_bundled_data(tok):
+def test_assistant_mask_equals_sft_labels(tok):
+    """Assistant tokens mask equals SFT labels on the bundled data."""
     rows = [row for i, row in enumerate(bundled("sft.jsonl")) if i % 10 == 0 or row.get("tools")]
     rows += bundled("sft_reasoning.jsonl")
     assert len(rows) == 1074  # every 10th chat (500), the other 174 tool-calling chats, 400 reasoning chats
@@ -168,7 +175,8 @@ def test_assistant_tokens_mask_equals_sft_labels_on_the_bundled_data(tok):
     assert trained_tokens > 20 * len(rows)
 
 
-def test_sft_trainer_with_assistant_only_loss_trains_what_encode_chat_labels(tmp_path, tok):
+def test_assistant_only_loss_trains_labels(tmp_path, tok):
+    """SFTTrainer with assistant_only_loss trains what encode_chat labels."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -219,7 +227,8 @@ REASONED = [
 ]
 
 
-def test_reasoning_content_renders_as_a_think_block(tok):
+def test_reasoning_renders_as_think_block(tok):
+    """Reasoning content renders as a think block."""
     assert tok.apply_chat_template(REASONED, tokenize=False) == (
         "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
         "<|im_start|>assistant\n<think>\nCount on 2 from 2: 3, 4.\n</think>\n\n2 plus 2 is 4.<|im_end|>\n"
@@ -234,7 +243,8 @@ def test_reasoning_content_renders_as_a_think_block(tok):
     assert ids.count(3) == 1 and ids.count(4) == 1  # <think> and </think> are single tokens in content too
 
 
-def test_enable_thinking_switch_in_the_generation_prompt(tok):
+def test_enable_thinking_in_generation_prompt(tok):
+    """Enable thinking switch in the generation prompt."""
     prompt = "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n"
 
     def render(**kwargs):
@@ -270,7 +280,8 @@ def test_sft_labels_cover_reasoning_and_answer(tok):
     ]
 
 
-def test_template_is_prefix_stable_with_reasoning_and_tools(tok):
+def test_template_is_prefix_stable(tok):
+    """Template is prefix stable with reasoning and tools."""
     for row in bundled("sft_reasoning.jsonl")[:50] + [row for row in bundled("sft.jsonl") if row.get("tools")][:20]:
         messages, tools = row["conversations"], row.get("tools")
         full = tok.apply_chat_template(messages, tools=tools, tokenize=False)
@@ -278,7 +289,8 @@ def test_template_is_prefix_stable_with_reasoning_and_tools(tok):
             assert full.startswith(tok.apply_chat_template(messages[:k], tools=tools, tokenize=False))
 
 
-def test_reasoning_data_is_generated_deterministically_and_valid(tmp_path):
+def test_reasoning_data_is_deterministic(tmp_path):
+    """Reasoning data is generated deterministically and valid."""
     make_data = load_script("make_data")
     path = tmp_path / "sft_reasoning.jsonl"
     make_data.write_jsonl(path, make_data.reasoning_rows(random.Random("42-reasoning"), 400))
@@ -302,9 +314,10 @@ def test_reasoning_data_is_generated_deterministically_and_valid(tmp_path):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_auto_tokenizer_loads_a_saved_model_directory_without_asking_with_trust_remote_code_false(tmp_path):
+def test_auto_tokenizer_loads_without_asking(tmp_path):
     # transformers 5.24 asks about custom code whenever trust_remote_code is left out: AutoTokenizer loads the
     # config first and config.json must name the model code (docs/chat-format.md). The tokenizer needs none.
+    """Auto tokenizer loads a saved model directory without asking with trust remote code false."""
     from conftest import tiny_model
     from minimind.training import save_hf_directory
 

@@ -20,7 +20,8 @@ def test_sft_collator_pads(tmp_path, tok):
 
 
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
-def test_padding_free_batch_is_one_row_with_restarting_positions(tmp_path, tok, kind):
+def test_padding_free_batch_is_one_row(tmp_path, tok, kind):
+    """Padding free batch is one row with restarting positions."""
     if kind == "sft":
         path = write_lines(tmp_path / "c.jsonl", [GOOD["sft"], {"conversations": chat(("Hi", "Hello there!"))}])
         rows = build_sft_dataset(path, tok, 128)

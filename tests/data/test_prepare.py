@@ -60,7 +60,7 @@ def chats(n=60):
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_two_processes_give_the_reference_rows_of_one(tmp_path, tok, packed):
+def test_two_processes_give_reference_rows(tmp_path, tok, packed):
     documents = texts()
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in documents])
     one = build_pretrain_dataset(path, tok, 32, packed=packed, num_proc=1, data_cache_dir=tmp_path / "a")
@@ -80,7 +80,8 @@ def test_two_processes_give_the_reference_rows_of_one(tmp_path, tok, packed):
     assert (two.meta["documents"], two.meta["tokens"]) == (len(documents), len(stream))
 
 
-def test_sft_rows_of_two_processes_are_encode_chat_s(tmp_path, tok):
+def test_two_process_sft_rows_are_encode_chat(tmp_path, tok):
+    """SFT rows of two processes are encode_chat's."""
     rows = chats()
     path = write_lines(tmp_path / "s.jsonl", rows)
     one = build_sft_dataset(path, tok, 24, num_proc=1, data_cache_dir=tmp_path / "a")
@@ -93,7 +94,8 @@ def test_sft_rows_of_two_processes_are_encode_chat_s(tmp_path, tok):
         assert dataset["attention_mask"] == [e["attention_mask"] for e in expected]
 
 
-def test_tokens_are_stored_in_the_narrowest_width_and_the_dataset_pickles_without_them(tmp_path, tok):
+def test_narrowest_token_width_and_light_pickle(tmp_path, tok):
+    """Tokens are stored in the narrowest width and the dataset pickles without them."""
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts()])
     dataset = build_pretrain_dataset(path, tok, 32)
     assert dataset.meta["dtype"] == "uint16"  # 6,400 tokens
@@ -111,7 +113,8 @@ def forbid_tokenising(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
-def test_a_second_build_reads_the_cache_without_tokenising(tmp_path, tok, kind, monkeypatch, data_cache):
+def test_second_build_reads_the_cache(tmp_path, tok, kind, monkeypatch, data_cache):
+    """A second build reads the cache without tokenising."""
     path = write_lines(tmp_path / "d.jsonl", [{"text": t} for t in texts()] if kind == "pretrain" else chats())
     first = build_dataset(kind, path, tok, 32, num_proc=1)
     assert first.from_cache is False and first.directory.parent == data_cache  # $MINIMIND_CACHE/data
@@ -121,7 +124,8 @@ def test_a_second_build_reads_the_cache_without_tokenising(tmp_path, tok, kind, 
     assert second["input_ids"] == first["input_ids"] and second["labels"] == first["labels"]
 
 
-def test_the_cache_is_invalidated_by_the_file_the_tokenizer_and_the_settings(tmp_path, tok):
+def test_cache_invalidated_by_its_inputs(tmp_path, tok):
+    """The cache is invalidated by the file the tokenizer and the settings."""
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts()])
     entries = {build_pretrain_dataset(path, tok, 32).directory}
 
@@ -150,7 +154,7 @@ def test_the_cache_is_invalidated_by_the_file_the_tokenizer_and_the_settings(tmp
     assert build_pretrain_dataset(path, tok, 32).from_cache is True
 
 
-def test_a_failed_preparation_leaves_no_entry(tmp_path, tok, monkeypatch, data_cache):
+def test_failed_preparation_leaves_no_entry(tmp_path, tok, monkeypatch, data_cache):
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts()])
     original = minimind.data.store.RowWriter.close
 
@@ -168,7 +172,8 @@ def test_a_failed_preparation_leaves_no_entry(tmp_path, tok, monkeypatch, data_c
 
 
 @pytest.mark.parametrize("num_proc", [1, 2])
-def test_a_bad_line_mid_file_is_named_or_skipped_with_exact_counts(tmp_path, tok, caplog, num_proc):
+def test_bad_line_mid_file_named_or_skipped(tmp_path, tok, caplog, num_proc):
+    """A bad line mid file is named or skipped with exact counts."""
     documents = texts(150)
     lines = [{"text": t} for t in documents]
     bad = {40: "not json", 77: {"text": 3}, 130: {"txt": "typo"}}  # 0-based positions, in different chunks
@@ -189,7 +194,8 @@ def test_a_bad_line_mid_file_is_named_or_skipped_with_exact_counts(tmp_path, tok
     assert "skipped 3 bad line(s)" in caplog.text  # a cache hit still says what the data lacks
 
 
-def test_sft_bad_lines_and_unrenderable_chats_in_a_parallel_run(tmp_path, tok, caplog):
+def test_parallel_sft_bad_lines_and_chats(tmp_path, tok, caplog):
+    """SFT bad lines and unrenderable chats in a parallel run."""
     rows = chats(40)
     opening_reply = {"conversations": [{"role": "assistant", "content": "Hi"}, *rows[0]["conversations"]]}
     lines = rows[:10] + ['{"conversations": [}'] + rows[10:30] + [opening_reply] + rows[30:]
@@ -203,7 +209,7 @@ def test_sft_bad_lines_and_unrenderable_chats_in_a_parallel_run(tmp_path, tok, c
     assert dataset["input_ids"] == [e["input_ids"] for e in reference_chats(tok, rows, 64)]
 
 
-def test_a_prepared_directory_is_a_data_path(tmp_path, tok):
+def test_prepared_directory_is_a_data_path(tmp_path, tok):
     from minimind.training import DataArguments, load_datasets
 
     path = write_lines(tmp_path / "s.jsonl", chats())
@@ -257,7 +263,8 @@ def test_prepare_command_and_prepare_only(tmp_path, capsys, data_cache):
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
-def test_split_train_eval_holds_out_the_rows_datasets_would(tmp_path, tok):
+def test_split_holds_out_datasets_rows(tmp_path, tok):
+    """split_train_eval holds out the rows datasets would."""
     from datasets import Dataset
 
     from minimind.data import split_train_eval

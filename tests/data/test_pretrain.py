@@ -8,7 +8,7 @@ from data_files import write_lines
 from minimind.data import DataFormatError, build_pretrain_dataset
 
 
-def test_pretrain_packing_exact_blocks(tmp_path, tok):
+def test_packing_gives_exact_blocks(tmp_path, tok):
     texts = [f"Story {i}: the cat sat on the mat and ate {i} apples." * (1 + i % 3) for i in range(40)]
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts])
     block = 32
@@ -27,13 +27,14 @@ def test_pretrain_packing_exact_blocks(tmp_path, tok):
         assert row["attention_mask"] == [1] * block
 
 
-def test_pretrain_too_short_raises(tmp_path, tok):
+def test_too_short_corpus_raises(tmp_path, tok):
     path = write_lines(tmp_path / "short.jsonl", [{"text": "hi"}])
     with pytest.raises(DataFormatError, match="fewer than max_seq_length=512"):
         build_pretrain_dataset(path, tok, 512)
 
 
-def test_unpacked_pretraining_keeps_documents_apart(tmp_path, tok):
+def test_unpacked_keeps_documents_apart(tmp_path, tok):
+    """Unpacked pretraining keeps documents apart."""
     texts = ["The sky is blue.", "Snow is white and coal is black. " * 4]
     path = write_lines(tmp_path / "p.jsonl", [{"text": t} for t in texts])
     dataset = build_pretrain_dataset(path, tok, 16, packed=False)

@@ -42,7 +42,8 @@ with open(f"{out}/rank{args.process_index}.json", "w") as f:
 """
 
 
-def test_two_processes_tokenise_once_and_share_the_blocks(tmp_path):
+def test_two_processes_tokenise_once(tmp_path):
+    """Two processes tokenise once and share the blocks."""
     from transformers import AutoTokenizer
 
     from minimind.data import build_pretrain_dataset

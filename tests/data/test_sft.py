@@ -31,7 +31,7 @@ def assistant_targets(tok, example):
     return [tok.decode(run, skip_special_tokens=False) for run in runs]
 
 
-def test_sft_labels_token_by_token(tmp_path, tok):
+def test_labels_token_by_token(tmp_path, tok):
     messages = chat(
         ("What is 3 plus 4?", "3 plus 4 is 7."),
         ("And the colour of the sky?", "\nThe sky is blue. 😀\n"),
@@ -46,7 +46,7 @@ def test_sft_labels_token_by_token(tmp_path, tok):
     assert example["attention_mask"] == [1] * len(example["input_ids"])
 
 
-def test_sft_labels_with_tool_calls(tok):
+def test_labels_with_tool_calls(tok):
     messages = [
         {"role": "user", "content": "Add 1 and 2."},
         {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": {"a": 1}}}]},
@@ -77,7 +77,7 @@ def test_sft_truncation_and_drop(tmp_path, tok, caplog):
         build_sft_dataset(only_long, tok, 24)
 
 
-def test_sft_drop_warning_names_the_first_dropped_lines(tmp_path, tok, caplog):
+def test_drop_warning_names_first_lines(tmp_path, tok, caplog):
     """Line numbers count blank and skipped lines, like every data error; at most five are shown."""
     long_prompt = {"conversations": chat(("word " * 200, "late answer"))}
     lines = [GOOD["sft"], "", long_prompt, "not json", long_prompt] + [long_prompt] * 5 + [GOOD["sft"]]
@@ -91,7 +91,7 @@ def test_sft_drop_warning_names_the_first_dropped_lines(tmp_path, tok, caplog):
     )
 
 
-def test_a_chat_the_template_cannot_render_is_named_or_skipped(tmp_path, tok, caplog):
+def test_unrenderable_chat_named_or_skipped(tmp_path, tok, caplog):
     """A chat that opens with the assistant's reply passes validation, but the template renders no prefix for it:
     the builder names the line instead of failing mid-map, and --skip_bad_lines skips it."""
     opening_reply = {"conversations": [{"role": "assistant", "content": "Hello!"}, *chat(("Hi", "Hi again"))]}

@@ -67,7 +67,8 @@ def test_special_token_ids(tok):
     load_tokenizer(TOKENIZER_DIR)  # its own id check passes
 
 
-def test_think_and_tool_tokens_survive_skip_special(tok):
+def test_think_and_tool_tokens_survive(tok):
+    """Think and tool tokens survive skip_special_tokens."""
     ids = tok.encode("<|im_start|><think>a</think><tool_call>b</tool_call><|im_end|>", add_special_tokens=False)
     assert tok.decode(ids, skip_special_tokens=True) == "<think>a</think><tool_call>b</tool_call>"
 

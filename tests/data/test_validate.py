@@ -99,7 +99,8 @@ def test_malformed_line_names_file_and_line(tmp_path, kind, bad, expected):
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory"])
-def test_missing_file_or_directory_is_a_data_error(tmp_path, kind):
+def test_missing_path_is_a_data_error(tmp_path, kind):
+    """Missing file or directory is a data error."""
     path = tmp_path / "absent.jsonl"
     if kind == "directory":
         path.mkdir()
@@ -118,7 +119,8 @@ def test_utf8_bom_at_the_start_is_accepted(tmp_path):
     assert read_jsonl(path, "sft") == ([GOOD["sft"]], 0)
 
 
-def test_reasoning_content_on_assistant_messages_is_accepted(tmp_path):
+def test_reasoning_content_is_accepted(tmp_path):
+    """Reasoning content on assistant messages is accepted."""
     reply = {"role": "assistant", "content": "7.", "reasoning_content": "3 plus 4 is 7."}
     row = {"conversations": [{"role": "user", "content": "3 plus 4?"}, reply]}
     path = write_lines(
@@ -192,14 +194,16 @@ def test_bundled_corpus_is_valid():
         ),
     ],
 )
-def test_malformed_line_message_is_exact_problem_and_fix(tmp_path, kind, bad, message):
+def test_malformed_line_message_is_exact(tmp_path, kind, bad, message):
+    """Malformed line message is exact problem and fix."""
     path = write_lines(tmp_path / "data.jsonl", [bad])
     with pytest.raises(DataFormatError) as info:
         read_jsonl(path, kind)
     assert str(info.value) == f"{path}, line 1: {message}"
 
 
-def test_validation_goes_on_after_an_assistant_message_with_only_tool_calls(tmp_path):
+def test_goes_on_after_tool_call_only_reply(tmp_path):
+    """Validation goes on after an assistant message with only tool calls."""
     tool_call = {"role": "assistant", "content": None, "tool_calls": [{"name": "add", "arguments": {"a": 1}}]}
     bad_after = [
         {"role": "user", "content": "add"},
@@ -217,7 +221,7 @@ def test_validation_goes_on_after_an_assistant_message_with_only_tool_calls(tmp_
 
 
 @pytest.mark.parametrize("kind", ["pretrain", "sft", "dpo"])
-def test_skip_bad_lines_keeps_the_good_rows_of_every_kind(tmp_path, tok, kind):
+def test_skip_bad_lines_keeps_good_rows(tmp_path, tok, kind):
     """--skip_bad_lines reaches the reader for each data kind (DPO pairs are read apart from the others)."""
     from minimind.training import DataArguments, load_datasets
 
@@ -285,7 +289,8 @@ UNREADABLE_LINES = [
 
 
 @pytest.mark.parametrize("kind, bad, message", UNREADABLE_LINES)
-def test_unencodable_or_too_deep_lines_are_named_or_skipped(tmp_path, tok, kind, bad, message):
+def test_unencodable_lines_named_or_skipped(tmp_path, tok, kind, bad, message):
+    """Unencodable or too deep lines are named or skipped."""
     from minimind.data import build_dataset
 
     path = tmp_path / f"{kind}.jsonl"

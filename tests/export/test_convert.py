@@ -44,7 +44,8 @@ def _upstream_pth(path, model, dtype=None):
     return path
 
 
-def test_import_fp16_checkpoint_with_flags_loads_with_remote_code(tmp_path):
+def test_fp16_checkpoint_with_flags_loads(tmp_path):
+    """Import fp16 checkpoint with flags loads with remote code."""
     source = tiny_model(std=0.1, qk_norm=False)  # upstream's older models have no q/k norm
     pth = _upstream_pth(tmp_path / "full_sft_64.pth", source, dtype=torch.float16)
     _convert(
@@ -114,7 +115,8 @@ def test_import_moe_from_upstream_settings_json(tmp_path):
         torch.testing.assert_close(model.state_dict()[key], value, atol=0, rtol=0, msg=key)
 
 
-def test_mismatched_checkpoint_names_missing_unexpected_and_shapes(tmp_path):
+def test_mismatched_checkpoint_names_keys(tmp_path):
+    """Mismatched checkpoint names missing unexpected and shapes."""
     state_dict = tiny_model().state_dict()
     state_dict["model.layers.0.mlp.shared_experts.0.up_proj.weight"] = torch.zeros(3, 3)
     torch.save(state_dict, tmp_path / "bad.pth")
@@ -130,7 +132,8 @@ def test_mismatched_checkpoint_names_missing_unexpected_and_shapes(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_upstream_features_minimind_lacks_are_refused_and_shared_experts_kept():
+def test_unsupported_upstream_features_refused():
+    """Upstream features MiniMind lacks are refused and shared experts kept."""
     from minimind.convert import config_from_upstream_settings
 
     assert config_from_upstream_settings({"use_moe": True, "n_shared_experts": 2}).n_shared_experts == 2
@@ -138,7 +141,7 @@ def test_upstream_features_minimind_lacks_are_refused_and_shared_experts_kept():
         config_from_upstream_settings({"scoring_func": "sigmoid"})
 
 
-def test_tied_checkpoint_without_lm_head_and_top_level_rope_tables_imports_exactly(tmp_path):
+def test_tied_checkpoint_imports_exactly(tmp_path):
     """Upstream may save a tied model without `lm_head.weight`, with its RoPE tables at the top level and under
     a `torch.compile` / DDP wrapper prefix; all of it imports to the same logits."""
     source = tiny_model(std=0.1)
@@ -153,7 +156,8 @@ def test_tied_checkpoint_without_lm_head_and_top_level_rope_tables_imports_exact
         torch.testing.assert_close(model.eval()(ids).logits, source(ids).logits, atol=0, rtol=0)
 
 
-def test_tied_config_with_a_different_lm_head_is_refused_naming_the_fix(tmp_path):
+def test_tied_config_with_own_head_refused(tmp_path):
+    """A tied config with a different lm_head is refused, naming the fix."""
     state_dict = dict(tiny_model().state_dict())
     state_dict["lm_head.weight"] = state_dict["lm_head.weight"] + 1
     torch.save(state_dict, tmp_path / "untied.pth")
@@ -166,7 +170,8 @@ def test_tied_config_with_a_different_lm_head_is_refused_naming_the_fix(tmp_path
     assert not (tmp_path / "hf").exists()
 
 
-def test_files_that_are_not_a_state_dict_or_settings_object_are_refused(tmp_path):
+def test_non_state_dict_files_are_refused(tmp_path):
+    """Files that are not a state dict or settings object are refused."""
     from minimind.convert import load_upstream_state_dict, read_settings_json
 
     torch.save([torch.zeros(1)], tmp_path / "list.pth")
@@ -233,7 +238,8 @@ def test_a_damaged_pth_is_named_in_one_line(tmp_path, capsys, how):
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_missing_pth_or_a_pickled_module_is_named_in_one_line(tmp_path, capsys):
+def test_missing_or_pickled_pth_is_one_line(tmp_path, capsys):
+    """A missing .pth or a pickled module is named in one line."""
     error = _convert_error(capsys, "--pth", tmp_path / "nope.pth", "--output_dir", tmp_path / "hf", *TINY_FLAGS)
     assert error == (
         f"error: {tmp_path / 'nope.pth'}: no such file. Fix: check the path of the upstream checkpoint (--pth)."
@@ -263,7 +269,8 @@ def _upstream_hf_dir(path):
 
 
 @pytest.mark.parametrize("how", ["truncated", "garbage"])
-def test_damaged_upstream_safetensors_are_named_in_one_line(tmp_path, capsys, how):
+def test_damaged_safetensors_is_one_line(tmp_path, capsys, how):
+    """Damaged upstream safetensors are named in one line."""
     upstream = _upstream_hf_dir(tmp_path / "upstream")
     weights = upstream / "model.safetensors"
     size = weights.stat().st_size
@@ -300,7 +307,8 @@ def test_damaged_upstream_safetensors_are_named_in_one_line(tmp_path, capsys, ho
     assert not (tmp_path / "hf").exists()
 
 
-def test_a_missing_upstream_directory_or_damaged_config_is_named_in_one_line(tmp_path, capsys):
+def test_missing_dir_or_bad_config_is_one_line(tmp_path, capsys):
+    """A missing upstream directory or damaged config is named in one line."""
     fix = (
         "Fix: with --from upstream-hf pass the directory that upstream's save_pretrained wrote (for a .pth file "
         "leave --from out)."

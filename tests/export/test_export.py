@@ -40,7 +40,8 @@ def _load_native(path):
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_export_qwen3_dense_yarn_same_logits_without_remote_code(tmp_path):
+def test_qwen3_dense_yarn_same_logits(tmp_path):
+    """Export Qwen3 dense YaRN same logits without remote code."""
     ours = _model_dir(tmp_path / "src", rope_scaling=YARN)
     _export("--to", "qwen3", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "dst")
 
@@ -59,7 +60,7 @@ def test_export_qwen3_dense_yarn_same_logits_without_remote_code(tmp_path):
         torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_export_qwen3_moe_with_dense_layer_same_logits(tmp_path):
+def test_qwen3_moe_with_dense_layer_same_logits(tmp_path):
     ours = _model_dir(
         tmp_path / "src",
         with_tokenizer=False,
@@ -84,13 +85,13 @@ def test_export_qwen3_moe_with_dense_layer_same_logits(tmp_path):
         torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_export_qwen3_refuses_qk_norm_false():
+def test_qwen3_refuses_qk_norm_false():
     with pytest.raises(ValueError, match=r"^Cannot export to qwen3: qk_norm=False but Qwen3 always applies RMSNorm"):
         check_qwen3_compatible(tiny_config(qk_norm=False))
     assert check_qwen3_compatible(tiny_config(use_moe=True, decoder_sparse_step=2, num_hidden_layers=2)) is None
 
 
-def test_export_qwen3_refuses_shared_experts():
+def test_qwen3_refuses_shared_experts():
     with pytest.raises(ValueError, match=r"^Cannot export to qwen3: n_shared_experts=1 but Qwen3-MoE has no shared"):
         check_qwen3_compatible(tiny_config(use_moe=True, n_shared_experts=1))
 
@@ -115,7 +116,8 @@ def _gguf_array(tensor):
 
 
 @needs_gguf
-def test_gguf_dense_metadata_tokenizer_and_tensors(tmp_path):
+def test_gguf_dense_metadata_and_tensors(tmp_path):
+    """GGUF dense metadata tokenizer and tensors."""
     ours = _model_dir(tmp_path / "src", rope_scaling=YARN)
     path = _export(
         "--to", "gguf", "--model_name_or_path", tmp_path / "src", "--output_dir", tmp_path / "out", "--outtype", "f32"
@@ -265,7 +267,8 @@ def test_gguf_moe_expert_tensors_and_counts(tmp_path):
     ],
     ids=lambda v: v if isinstance(v, str) and "{" not in v and "(" not in v else None,
 )
-def test_gguf_refuses_settings_llama_cpp_cannot_run(overrides, field, value):
+def test_gguf_refuses_what_llama_cpp_cannot_run(overrides, field, value):
+    """GGUF refuses settings llama.cpp cannot run."""
     with pytest.raises(ValueError) as refused:
         check_gguf_compatible(tiny_config(**overrides))
     message = str(refused.value)
@@ -300,7 +303,8 @@ def test_gguf_accepts_what_llama_cpp_runs(overrides):
     ],
     ids=lambda r: r["rope_type"],
 )
-def test_gguf_refuses_rope_types_it_has_no_keys_for(rope):
+def test_gguf_refuses_unknown_rope_types(rope):
+    """GGUF refuses rope types it has no keys for."""
     with pytest.raises(
         ValueError,
         match=rf"^Cannot export to gguf: rope_parameters={{'rope_type': "
@@ -311,7 +315,8 @@ def test_gguf_refuses_rope_types_it_has_no_keys_for(rope):
 
 
 @needs_gguf
-def test_gguf_refuses_tokenizer_llama_cpp_would_split_differently(tmp_path):
+def test_gguf_refuses_tokenizer_llama_cpp_splits(tmp_path):
+    """GGUF refuses tokenizer llama.cpp would split differently."""
     from tokenizers import Tokenizer, pre_tokenizers
 
     _model_dir(tmp_path / "src")
@@ -337,7 +342,8 @@ def test_gguf_refuses_tokenizer_llama_cpp_would_split_differently(tmp_path):
     ],
     ids=["dense", "yarn", "moe"],
 )
-def test_llama_cpp_runs_gguf_with_our_tokens_and_greedy_output(tmp_path, overrides):
+def test_llama_cpp_runs_gguf_like_ours(tmp_path, overrides):
+    """llama.cpp runs GGUF with our tokens and greedy output."""
     import llama_cpp
 
     ours = _model_dir(tmp_path / "src", std=0.3, **overrides)
@@ -390,7 +396,8 @@ def test_llama_cpp_runs_gguf_with_our_tokens_and_greedy_output(tmp_path, overrid
     ],
     ids=["dense", "moe"],
 )
-def test_qwen3_config_carries_every_setting_the_two_share(overrides):
+def test_qwen3_config_carries_shared_settings(overrides):
+    """Qwen3 config carries every setting the two share."""
     from minimind.export import qwen3_config
 
     ours = tiny_config(**overrides).to_dict()

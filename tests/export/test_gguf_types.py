@@ -41,7 +41,8 @@ def q8_0_bound(weights):
 
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
 @pytest.mark.parametrize("outtype", ["f16", "bf16", "q8_0"])
-def test_matrices_read_back_at_the_precision_of_their_type(tmp_path, outtype, overrides):
+def test_matrices_read_back_at_their_precision(tmp_path, outtype, overrides):
+    """Matrices read back at the precision of their type."""
     model = model_dir(tmp_path / "src", std=0.1, **overrides)
     path = export_gguf(tmp_path / "src", tmp_path / f"m-{outtype}.gguf", TOKENIZER_DIR, outtype=outtype)
     tensors, file_type = read_back(path)
@@ -65,7 +66,8 @@ def test_matrices_read_back_at_the_precision_of_their_type(tmp_path, outtype, ov
             assert error.max() > 0  # really quantized, not stored exactly
 
 
-def test_q8_0_keeps_rows_that_do_not_fill_whole_blocks_in_f16(tmp_path):
+def test_q8_0_keeps_partial_rows_in_f16(tmp_path):
+    """q8_0 keeps rows that do not fill whole blocks in f16."""
     model = model_dir(tmp_path / "src", std=0.1, intermediate_size=48)  # down_proj rows: 48 = 1.5 blocks
     path = export_gguf(tmp_path / "src", tmp_path / "m.gguf", TOKENIZER_DIR, outtype="q8_0")
     tensors, _ = read_back(path)
@@ -76,7 +78,8 @@ def test_q8_0_keeps_rows_that_do_not_fill_whole_blocks_in_f16(tmp_path):
     assert tensors["blk.0.ffn_up.weight"][0] == "Q8_0"
 
 
-def test_unknown_outtype_is_refused_before_anything_is_written(tmp_path):
+def test_unknown_outtype_refused_before_write(tmp_path):
+    """An unknown --outtype is refused before anything is written."""
     model_dir(tmp_path / "src")
     with pytest.raises(ValueError, match=r"outtype must be one of \('f32', 'f16', 'bf16', 'q8_0'\), got 'q4_0'"):
         export_gguf(tmp_path / "src", tmp_path / "m.gguf", TOKENIZER_DIR, outtype="q4_0")
@@ -99,7 +102,8 @@ def cpu_has_amx():
 
 @needs_llama_cpp
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-def test_q8_0_tensors_are_byte_identical_to_llama_quantize(tmp_path, overrides):
+def test_q8_0_equals_llama_quantize(tmp_path, overrides):
+    """q8_0 tensors are byte-identical to llama-quantize."""
     import ctypes
 
     import llama_cpp
@@ -137,7 +141,8 @@ def test_q8_0_tensors_are_byte_identical_to_llama_quantize(tmp_path, overrides):
         ),
     ],
 )
-def test_llama_cpp_logits_follow_ours_at_each_precision(tmp_path, outtype, overrides):
+def test_llama_cpp_logits_follow_ours(tmp_path, outtype, overrides):
+    """llama.cpp logits follow ours at each precision."""
     import llama_cpp
     from transformers import AutoTokenizer
 

@@ -83,7 +83,8 @@ def _trained_model_dir(path):
     return model
 
 
-def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
+def test_push_uploads_exact_files_and_card(tmp_path):
+    """Push script uploads exact file set and model card."""
     model = _trained_model_dir(tmp_path / "run")
     with FakeHub() as hub:
         load_script("push_to_hub").main(
@@ -130,7 +131,8 @@ def test_push_script_uploads_exact_file_set_and_model_card(tmp_path):
     assert 'AutoModelForCausalLM.from_pretrained("someone/minimind-tiny", trust_remote_code=True)' in text
 
 
-def test_push_with_separate_tokenizer_and_unknown_training(tmp_path):
+def test_push_separate_tokenizer_and_unknowns(tmp_path):
+    """Push with separate tokenizer and unknown training."""
     tiny_model(vocab_size=6400).save_pretrained(tmp_path / "bare")
     with FakeHub() as hub:
         load_script("push_to_hub").main(
@@ -152,7 +154,8 @@ def test_push_with_separate_tokenizer_and_unknown_training(tmp_path):
     assert "## Training\n\nUnknown" in card.text
 
 
-def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path, capsys):
+def test_push_refuses_incomplete_directory(tmp_path, capsys):
+    """Push refuses incomplete directory listing every problem."""
     tiny_model().save_pretrained(tmp_path / "m")
     os.remove(tmp_path / "m" / "generation_config.json")
     os.remove(tmp_path / "m" / "modeling_minimind.py")
@@ -181,7 +184,8 @@ def test_push_refuses_incomplete_directory_listing_every_problem(tmp_path, capsy
     assert not hub.repos and not hub.commits  # nothing created before the check
 
 
-def test_push_dry_run_lists_every_file_and_sends_nothing(tmp_path, capsys):
+def test_push_dry_run_sends_nothing(tmp_path, capsys):
+    """Push dry run lists every file and sends nothing."""
     _trained_model_dir(tmp_path / "run")
     with FakeHub() as hub:
         plan = load_script("push_to_hub").main(
@@ -218,7 +222,8 @@ def test_push_of_a_missing_directory_is_one_line(tmp_path, capsys, path):
     assert not hub.repos
 
 
-def test_push_offline_fails_in_one_line_naming_the_repo(tmp_path, capsys, monkeypatch):
+def test_push_offline_fails_in_one_line(tmp_path, capsys, monkeypatch):
+    """Push offline fails in one line naming the repo."""
     _trained_model_dir(tmp_path / "run")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     capsys.readouterr()
@@ -235,7 +240,8 @@ def test_push_offline_fails_in_one_line_naming_the_repo(tmp_path, capsys, monkey
     )
 
 
-def test_push_passes_the_token_and_commit_message_and_cards_moe_models(tmp_path):
+def test_push_passes_token_and_message(tmp_path):
+    """Push passes the token and commit message and cards MoE models."""
     model_dir(tmp_path / "moe", use_moe=True, num_experts=4, num_experts_per_tok=2)
     with FakeHub() as hub:
         load_script("push_to_hub").main(
@@ -250,7 +256,8 @@ def test_push_passes_the_token_and_commit_message_and_cards_moe_models(tmp_path)
     assert "(mixture of experts)" in card.text and "(dense)" not in card.text
 
 
-def test_model_push_to_hub_commits_code_config_and_safetensors():
+def test_model_push_to_hub_commits_all():
+    """model.push_to_hub commits code, config and safetensors."""
     model = tiny_model()
     with (
         FakeHub() as hub,
@@ -268,7 +275,8 @@ def test_model_push_to_hub_commits_code_config_and_safetensors():
     assert auto_map["AutoModelForCausalLM"] == "modeling_minimind.MiniMindForCausalLM"
 
 
-def test_model_card_is_titled_by_the_repo_name_and_lists_a_scaled_rope(tmp_path):
+def test_model_card_title_and_scaled_rope(tmp_path):
+    """Model card is titled by the repo name and lists a scaled rope."""
     from minimind.hub import build_model_card
 
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}

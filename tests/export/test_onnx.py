@@ -89,7 +89,8 @@ def _ort_greedy(session, config, ids, mask, steps):
     return np.concatenate(tokens, axis=1), np.stack(step_logits)
 
 
-def test_onnx_graph_has_optimums_kv_cache_layout_and_its_files(exported):
+def test_graph_has_optimum_cache_layout(exported):
+    """The ONNX graph has Optimum's KV-cache layout and its files."""
     import onnx
 
     src, dst = exported["dense"]
@@ -134,7 +135,8 @@ def test_onnx_graph_has_optimums_kv_cache_layout_and_its_files(exported):
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_onnx_prompt_logits_equal_transformers_on_a_padded_batch(exported, kind):
+def test_padded_prompt_logits_equal_transformers(exported, kind):
+    """ONNX prompt logits equal transformers on a padded batch."""
     src, dst = exported[kind]
     model = _load(src)
     config = json.loads((dst / "config.json").read_text())
@@ -160,7 +162,8 @@ def test_onnx_prompt_logits_equal_transformers_on_a_padded_batch(exported, kind)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_onnx_greedy_tokens_over_32_cached_steps_equal_generate(exported, kind):
+def test_cached_greedy_tokens_equal_generate(exported, kind):
+    """Greedy tokens over 32 cached steps equal generate."""
     src, dst = exported[kind]
     model = _load(src)
     ids, mask = _prompt(model.config.vocab_size)
@@ -187,7 +190,8 @@ def test_onnx_greedy_tokens_over_32_cached_steps_equal_generate(exported, kind):
     assert len(np.unique(tokens)) >= 4  # not one token repeated: the cache and positions are exercised
 
 
-def test_onnx_refuses_rope_that_recomputes_from_the_sequence_length():
+def test_refuses_length_dependent_rope():
+    """ONNX refuses rope that recomputes from the sequence length."""
     with pytest.raises(ValueError, match=r"Cannot export to onnx: rope_parameters=\{'rope_type': 'dynamic'\}"):
         check_onnx_compatible(tiny_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     check_onnx_compatible(

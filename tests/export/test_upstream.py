@@ -105,7 +105,7 @@ def upstream_moe_feed_forward(state, prefix, x, config, n_shared_experts):
         ("minimind2", True, 2),
     ],
 )
-def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe, shared):
+def test_directory_gives_identical_logits(tmp_path, layout, moe, shared):
     """Each layout, dense and MoE (top-2, experts narrower than the dense width), converts to a directory whose
     reload through AutoModelForCausalLM gives the source model's logits bit for bit."""
     moe_fields = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48) if moe else {}
@@ -146,7 +146,7 @@ def test_upstream_directory_gives_identical_logits(tmp_path, layout, moe, shared
         assert (tmp_path / "out" / name).read_bytes() == (upstream / name).read_bytes()
 
 
-def test_minimind2_top1_router_keeps_the_probability(tmp_path):
+def test_top1_router_keeps_the_probability(tmp_path):
     """MiniMind2 renormalises the top-k weights only for k > 1: a top-1 expert's output is scaled by its router
     probability. The import turns norm_topk_prob off for such a checkpoint, and the converted MoE layer equals
     a per-token reference of that rule."""

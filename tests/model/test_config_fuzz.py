@@ -59,7 +59,8 @@ def draw_cases(n, seed=1234):
 
 
 @pytest.mark.parametrize("chunk", range(4))
-def test_every_fuzzed_config_runs_or_is_refused_with_the_field_and_fix(chunk):
+def test_fuzzed_config_runs_or_names_fix(chunk):
+    """Every fuzzed config runs or is refused with the field and fix."""
     base = dict(
         vocab_size=64,
         hidden_size=16,
@@ -120,12 +121,14 @@ def test_every_fuzzed_config_runs_or_is_refused_with_the_field_and_fix(chunk):
         (dict(num_hidden_layers=2.0), "num_hidden_layers"),
     ],
 )
-def test_values_that_used_to_slip_through_are_refused(case, field):
+def test_past_slipped_values_are_refused(case, field):
+    """Values that used to slip through are refused."""
     with pytest.raises(ValueError, match=rf"^MiniMindConfig\.{field}: .+\. Fix: .+\.$"):
         MiniMindConfig(**case)
 
 
-def test_a_legacy_rope_scaling_equal_to_rope_parameters_is_accepted():
+def test_matching_legacy_rope_scaling_accepted():
+    """A legacy rope_scaling equal to rope_parameters is accepted."""
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "rope_theta": 1e6}
     config = MiniMindConfig(rope_scaling=dict(rope), rope_parameters=dict(rope))
     assert config.rope_parameters == rope

@@ -65,7 +65,8 @@ def test_rope_forms_are_normalised_to_one_dict():
     assert c.rope_parameters["original_max_position_embeddings"] == 4096
 
 
-def test_inference_rope_scaling_is_upstream_yarn_preset():
+def test_inference_rope_is_upstream_yarn():
+    """inference_rope_scaling is the upstream YaRN preset."""
     c = MiniMindConfig(inference_rope_scaling=True)
     assert c.rope_parameters["rope_type"] == "yarn"
     assert c.rope_parameters["factor"] == 16.0
@@ -73,7 +74,8 @@ def test_inference_rope_scaling_is_upstream_yarn_preset():
     assert c.rope_parameters["attention_factor"] == 1.0  # upstream leaves cos/sin unscaled
 
 
-def test_flash_attn_switch_maps_to_attn_implementation():
+def test_flash_attn_sets_attn_implementation():
+    """The flash_attn switch maps to attn_implementation."""
     assert MiniMindConfig(flash_attn=False)._attn_implementation == "eager"
     assert MiniMindConfig(flash_attn=False, attn_implementation="sdpa")._attn_implementation == "sdpa"
 
@@ -108,13 +110,14 @@ def test_save_and_reload_roundtrip(tmp_path):
         assert getattr(again, key) == getattr(c, key), key
 
 
-def test_moe_layer_placement_follows_qwen3_moe_rule():
+def test_moe_layer_placement_like_qwen3():
+    """MoE layer placement follows Qwen3-MoE rule."""
     c = MiniMindConfig(num_hidden_layers=6, use_moe=True, decoder_sparse_step=2, mlp_only_layers=[3])
     assert [c.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
     assert not any(MiniMindConfig(num_hidden_layers=3).is_moe_layer(i) for i in range(3))
 
 
-def test_fields_is_the_signature_and_every_field_is_saved():
+def test_fields_match_signature_and_save():
     """MiniMindConfig.FIELDS, derived from the signature, is the one field list; each field lands in config.json
     (the MoE-only ones for MoE configs) and reloads to the same value."""
     import inspect

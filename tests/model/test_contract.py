@@ -28,7 +28,7 @@ def moe_model(**overrides):
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_dense_and_moe_declare_compile_support_and_only_moe_takes_an_experts_implementation():
+def test_compile_and_experts_support_flags():
     """Like Qwen3 / Qwen3-MoE: both compile with fullgraph=True; a dense model has no experts, so asking it for
     an experts kernel fails as it does for dense Qwen3 instead of silently running nothing."""
     dense, moe = tiny_model(), moe_model()
@@ -48,7 +48,8 @@ def test_dense_and_moe_declare_compile_support_and_only_moe_takes_an_experts_imp
 
 
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
-def test_static_cache_generate_equals_dynamic_also_from_inputs_embeds(use_moe):
+def test_static_cache_generate_equals_dynamic(use_moe):
+    """Static cache generate equals dynamic also from inputs_embeds."""
     model = moe_model() if use_moe else tiny_model(std=0.3)
     ids = torch.tensor([[5, 17, 42, 8, 64, 3], [9, 4, 7, 1, 2, 33]])
     kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -78,7 +79,7 @@ def _decode_with_compiled_step(model, prompt, steps, compiled):
 @pytest.mark.parametrize(
     "variant", ["dense", "moe", "moe-shared", "moe-batched_mm"] if V5 else ["dense", "moe", "moe-shared"]
 )
-def test_compiled_static_cache_decode_has_no_graph_break_and_no_recompile(variant):
+def test_compiled_decode_no_break_or_recompile(variant):
     """fullgraph=True fails on any graph break; error_on_recompile fails if the second, shorter prompt
     (or a later step) needs a new graph. The 'eager' backend traces exactly as inductor would, without
     inductor's minutes of C++ compilation on a CPU. The default MoE dispatch has no host sync when compiled."""
@@ -100,7 +101,7 @@ def test_compiled_static_cache_decode_has_no_graph_break_and_no_recompile(varian
 
 
 @pytest.mark.slow
-def test_inductor_compiled_decode_step_equals_eager_and_does_not_recompile():
+def test_inductor_decode_step_equals_eager():
     """The real thing users run on a GPU: inductor (about 45 s of C++ compilation on 2 CPU cores)."""
     model = tiny_model(std=0.3)
     torch._dynamo.reset()
@@ -122,7 +123,7 @@ SEQUENCES = [[5, 17, 42, 8, 64, 3, 11, 12, 13, 14], [9, 4, 7, 1, 2, 33, 40], [21
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_packed_rows_with_restarting_positions_equal_the_padded_batch(attn):
+def test_packed_rows_equal_padded_batch(attn):
     """DataCollatorWithFlattening's packed row (26 tokens, longer than max_position_embeddings=16) gives
     the padded batch's per-token logits and loss: positions restart, attention stays inside each sequence."""
     model = tiny_model(std=0.2, max_position_embeddings=16, attn_implementation=attn)
@@ -150,7 +151,8 @@ def _block_causal_mask(lengths):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("form", ["bool", "additive"])
-def test_block_diagonal_4d_mask_equals_the_sequences_run_separately(attn, form):
+def test_block_diagonal_mask_equals_separate(attn, form):
+    """Block diagonal 4-D mask equals the sequences run separately."""
     model = tiny_model(std=0.2, attn_implementation=attn)
     lengths = [len(s) for s in SEQUENCES]
     mask = _block_causal_mask(lengths)
@@ -164,7 +166,7 @@ def test_block_diagonal_4d_mask_equals_the_sequences_run_separately(attn, form):
     torch.testing.assert_close(together, apart, atol=1e-5, rtol=1e-5)
 
 
-def test_tree_mask_for_speculative_decoding_scores_each_branch_like_its_own_sequence():
+def test_tree_mask_scores_branches_separately():
     """A prefix, then two candidate continuations that each see the prefix but not each other."""
     model = tiny_model(std=0.2, attn_implementation="eager")
     prefix, branch_a, branch_b = [5, 17, 42], [8, 64], [9, 4]
@@ -189,7 +191,8 @@ def test_tree_mask_for_speculative_decoding_scores_each_branch_like_its_own_sequ
 
 
 @pytest.mark.parametrize("use_moe", [False, True], ids=["dense", "moe"])
-def test_return_dict_false_gives_the_dataclass_fields_in_order(use_moe):
+def test_return_dict_false_gives_field_tuple(use_moe):
+    """return_dict=False gives the dataclass fields in order."""
     model = moe_model() if use_moe else tiny_model(std=0.2)
     ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(0))
     kwargs = dict(labels=ids, use_cache=True, output_hidden_states=True, output_attentions=True)
@@ -210,7 +213,8 @@ def test_return_dict_false_gives_the_dataclass_fields_in_order(use_moe):
             assert type(ours) is type(expected)
 
 
-def test_older_cache_keyword_round_trips_like_qwen3():
+def test_older_cache_keyword_like_qwen3():
+    """Older cache keyword round trips like Qwen3."""
     model = tiny_model(std=0.2)
     theirs = to_qwen3_model(model)
     ids = torch.tensor([[5, 17, 42, 8]])
@@ -224,7 +228,8 @@ def test_older_cache_keyword_round_trips_like_qwen3():
 
 
 @pytest.mark.skipif(not V5, reason="selecting hidden states by index is a transformers 5 feature")
-def test_hidden_states_of_chosen_layers_equal_qwen3():
+def test_chosen_hidden_states_equal_qwen3():
+    """Hidden states of chosen layers equal Qwen3."""
     model = tiny_model(std=0.2, num_hidden_layers=3)
     theirs = to_qwen3_model(model)
     ids = torch.tensor([[5, 17, 42, 8]])
@@ -243,7 +248,8 @@ def test_hidden_states_of_chosen_layers_equal_qwen3():
             torch.testing.assert_close(chosen[index], everything[index])
 
 
-def test_attention_probabilities_are_not_kept_unless_asked(monkeypatch):
+def test_attentions_kept_only_when_asked(monkeypatch):
+    """Attention probabilities are not kept unless asked."""
     probs = []
 
     def recording_eager(*args, **kwargs):
@@ -264,7 +270,8 @@ def test_attention_probabilities_are_not_kept_unless_asked(monkeypatch):
     torch.testing.assert_close(asked.attentions[0].sum(-1), torch.ones(2, 4, 6))
 
 
-def test_router_logits_are_recorded_like_qwen3_moe():
+def test_router_logits_recorded_like_qwen3():
+    """Router logits are recorded like Qwen3-MoE."""
     model = moe_model(num_hidden_layers=3, mlp_only_layers=[1])
     theirs = to_qwen3_model(model)
     ids = torch.tensor([[5, 17, 42, 8, 64, 3]])
@@ -282,7 +289,8 @@ def test_router_logits_are_recorded_like_qwen3_moe():
 
 
 @pytest.mark.parametrize("implementation", EXPERTS_IMPLEMENTATIONS)
-def test_experts_implementations_give_the_default_dispatch_outputs_and_gradients(implementation, tmp_path):
+def test_experts_implementations_agree(implementation, tmp_path):
+    """Experts implementations give the default dispatch outputs and gradients."""
     reference = moe_model(router_aux_loss_coef=0.01)
     reference.save_pretrained(tmp_path)
     kwargs = {"experts_implementation": implementation} if V5 else {}
@@ -303,7 +311,8 @@ def test_experts_implementations_give_the_default_dispatch_outputs_and_gradients
     assert model.model.layers[0].mlp.experts[3].up_proj.weight.grad.abs().sum() > 0
 
 
-def test_default_experts_implementation_is_minimind_dispatch_and_unknown_ones_are_refused():
+def test_default_and_unknown_experts_impl():
+    """Default experts implementation is MiniMind dispatch and unknown ones are refused."""
     model = moe_model()
     assert model.config._experts_implementation == "eager"
     if V5:
@@ -322,7 +331,8 @@ def test_tiny_config_used_here_is_really_moe():
 
 
 @pytest.mark.parametrize("mask_length", [3, 5], ids=["short", "long"])
-def test_generate_refuses_a_mask_whose_length_is_not_the_prompts(mask_length):
+def test_generate_refuses_wrong_length_mask(mask_length):
+    """Generate refuses a mask whose length is not the prompts."""
     model = tiny_model()
     ids = torch.tensor([[5, 6, 7, 8]])
     with pytest.raises(
@@ -348,7 +358,8 @@ def test_generate_refuses_a_mask_whose_length_is_not_the_prompts(mask_length):
     assert right[0, 4:].tolist() == padded[0, 5:].tolist()
 
 
-def test_forward_refuses_position_ids_that_do_not_cover_the_input():
+def test_forward_refuses_short_position_ids():
+    """Forward refuses position ids that do not cover the input."""
     model = tiny_model()
     with pytest.raises(
         ValueError,
@@ -359,7 +370,8 @@ def test_forward_refuses_position_ids_that_do_not_cover_the_input():
 
 
 @pytest.mark.parametrize("keep_bytes", [5, 100, "half"])
-def test_from_pretrained_names_a_truncated_weights_file(tmp_path, keep_bytes):
+def test_truncated_weights_file_is_named(tmp_path, keep_bytes):
+    """from_pretrained names a truncated weights file."""
     from transformers import AutoModelForCausalLM
 
     tiny_model().save_pretrained(tmp_path)

@@ -40,7 +40,8 @@ def relative_error(actual, expected):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-def test_fp32_logits_on_device_equal_cpu_logits(attn, overrides):
+def test_fp32_logits_equal_cpu(attn, overrides):
+    """fp32 logits on device equal CPU logits."""
     model = tiny_model(std=0.1, attn_implementation=attn, **overrides)
     ids = ids_on_device(2, 24)
     mask = torch.ones_like(ids)
@@ -52,9 +53,10 @@ def test_fp32_logits_on_device_equal_cpu_logits(attn, overrides):
     torch.testing.assert_close(actual[0, 5:].cpu(), expected[0, 5:], atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_weights_eager_and_sdpa_stay_near_fp32():
+def test_bf16_eager_and_sdpa_near_fp32():
     # Dense only: in bf16 a near-tie router picks another expert for some token, which no tolerance can absorb.
     # The MoE model in bf16 is held to Qwen3-MoE in bf16 below instead.
+    """Bf16 weights eager and sdpa stay near fp32."""
     reference = tiny_model(std=0.1)
     ids = ids_on_device(2, 32)
     with torch.no_grad():
@@ -80,7 +82,7 @@ def test_flash_attention_2_matches_sdpa():
         assert relative_error(fa(ids).logits, sd(ids).logits) < 0.02
 
 
-def test_flash_attention_2_varlen_on_packed_rows_equals_separate_sequences():
+def test_flash_varlen_packed_equals_separate():
     """Padding-free rows (restarting position_ids, no mask): flash-attention 2 takes its varlen path from the
     positions and keeps each sequence to itself."""
     if not ON_CUDA:
@@ -111,7 +113,8 @@ def qwen3_pair(overrides):
 
 
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-def test_fp32_logits_and_loss_equal_qwen3_on_device(overrides):
+def test_fp32_logits_and_loss_equal_qwen3(overrides):
+    """fp32 logits and loss equal Qwen3 on device."""
     ours, theirs = qwen3_pair(overrides)
     ids = ids_on_device(2, 24)
     extra = {"output_router_logits": True} if overrides else {}
@@ -123,7 +126,8 @@ def test_fp32_logits_and_loss_equal_qwen3_on_device(overrides):
 
 
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-def test_bf16_weights_logits_equal_qwen3_on_device(overrides):
+def test_bf16_logits_equal_qwen3(overrides):
+    """bf16 weights logits equal Qwen3 on device."""
     ours, theirs = qwen3_pair(overrides)
     ours.bfloat16(), theirs.bfloat16()
     ids = ids_on_device(2, 32)
@@ -132,7 +136,8 @@ def test_bf16_weights_logits_equal_qwen3_on_device(overrides):
 
 
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-def test_bf16_autocast_training_step_matches_qwen3_on_device(overrides):
+def test_bf16_training_step_matches_qwen3(overrides):
+    """bf16 autocast training step matches Qwen3 on device."""
     ours, theirs = qwen3_pair(overrides)
     ours.train(), theirs.train()
     ids = ids_on_device(2, 32)
@@ -160,8 +165,9 @@ def test_bf16_autocast_training_step_matches_qwen3_on_device(overrides):
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("overrides", [{}, MOE], ids=["dense", "moe"])
-def test_cached_greedy_decode_equals_uncached_on_device(cache, overrides):
+def test_cached_greedy_equals_uncached(cache, overrides):
     # The one-token cached steps are where the token-id check is skipped off the CPU; the tokens must not move.
+    """Cached greedy decode equals uncached on device."""
     model = tiny_model(std=0.2, **overrides).to(DEVICE)
     prompt = ids_on_device(2, 6)
     kwargs = dict(max_new_tokens=10, do_sample=False, disable_compile=True, attention_mask=torch.ones_like(prompt))
@@ -172,13 +178,15 @@ def test_cached_greedy_decode_equals_uncached_on_device(cache, overrides):
     assert len(set(cached[0, 6:].tolist())) > 1  # sharp logits: a dropped cache would change the tokens
 
 
-def test_out_of_range_prompt_ids_raise_on_device():
+def test_out_of_range_prompt_ids_raise():
+    """Out of range prompt ids raise on device."""
     model = tiny_model().to(DEVICE)
     with pytest.raises(ValueError, match=r"token id\(s\) \[97, 500\] outside the vocabulary \[0, 97\)"):
         model(torch.tensor([[1, 97, 500]], device=DEVICE))
 
 
-def test_cached_decode_step_syncs_the_host_no_more_than_qwen3():
+def test_decode_syncs_no_more_than_qwen3():
+    """Cached decode step syncs the host no more than Qwen3."""
     if not ON_CUDA:
         pytest.skip("host syncs are counted by CUDA's sync debug mode")
     ours = tiny_model(std=0.1)
@@ -203,8 +211,9 @@ def test_cached_decode_step_syncs_the_host_no_more_than_qwen3():
     assert syncs["ours"] <= syncs["qwen3"], syncs
 
 
-def test_compiled_static_cache_generate_equals_dynamic_cache():
+def test_compiled_static_equals_dynamic():
     # generate compiles the forward by itself for a static cache on an accelerator; the CPU opts in explicitly.
+    """Compiled static cache generate equals dynamic cache."""
     from transformers import CompileConfig
 
     model = tiny_model(std=0.2).to(DEVICE)

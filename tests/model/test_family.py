@@ -40,7 +40,7 @@ def qwen3_twin(model):
 
 @pytest.mark.parametrize("kind", list(HEADS))
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_task_heads_load_a_causal_lm_checkpoint_and_equal_qwen3_heads(tmp_path, kind, moe):
+def test_task_heads_load_lm_and_equal_qwen3(tmp_path, kind, moe):
     """Any saved MiniMind checkpoint opens as each head through the Auto class with remote code; the backbone
     is the checkpoint's (only the new head is initialised) and the logits are Qwen3's head on the same weights."""
     source = tiny_model(std=0.2, **(MOE if moe else {}))
@@ -65,14 +65,16 @@ def test_task_heads_load_a_causal_lm_checkpoint_and_equal_qwen3_heads(tmp_path, 
         assert ours.logits.shape == (2, 3) and ours.logits.std() > 0.01
 
 
-def test_saved_config_names_every_head_in_auto_map(tmp_path):
+def test_auto_map_names_every_head(tmp_path):
+    """Saved config names every head in auto_map."""
     tiny_model().save_pretrained(tmp_path)
     auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
     for _, suffix, _ in HEADS.values():
         assert auto_map[f"AutoModel{suffix}"] == f"modeling_minimind.MiniMind{suffix}"
 
 
-def test_package_registers_every_head_without_remote_code(tmp_path):
+def test_package_registers_every_head(tmp_path):
+    """Package registers every head without remote code."""
     import minimind
     import modeling_minimind
 
@@ -112,7 +114,7 @@ def test_label_smoothing_gives_qwen3_loss(moe):
     assert abs(ours - plain) > 0.01  # the smoothing is applied, not the plain loss
 
 
-def test_label_smoothing_gives_qwen3_loss_as_remote_code_without_the_package(tmp_path):
+def test_label_smoothing_as_remote_code(tmp_path):
     """A user's own Trainer on AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True), in a process
     where neither `minimind` nor the repository's model files are importable."""
     model = tiny_model(std=0.2)

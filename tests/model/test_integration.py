@@ -19,7 +19,8 @@ def _saved_keys(path):
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_save_and_reload_through_auto_classes_with_remote_code(tmp_path, tied):
+def test_auto_class_roundtrip_remote_code(tmp_path, tied):
+    """Save and reload through auto classes with remote code."""
     model = tiny_model(
         std=0.1,
         tie_word_embeddings=tied,
@@ -66,7 +67,8 @@ def test_save_and_reload_through_auto_classes_with_remote_code(tmp_path, tied):
     assert type(backbone).__name__ == "MiniMindModel"
 
 
-def test_package_registers_auto_classes_without_remote_code(tmp_path):
+def test_package_registers_auto_classes(tmp_path):
+    """Package registers auto classes without remote code."""
     import minimind  # noqa: F401  (the import registers the Auto classes)
     from configuration_minimind import MiniMindConfig
     from modeling_minimind import MiniMindForCausalLM
@@ -144,7 +146,8 @@ def _train(tmp_path, batch, accumulation, checkpointing):
     return losses, changed
 
 
-def test_trainer_gradient_accumulation_and_checkpointing(tmp_path):
+def test_trainer_accumulation_and_checkpoints(tmp_path):
+    """Trainer gradient accumulation and checkpointing."""
     losses_ga, changed = _train(tmp_path / "ga", batch=2, accumulation=2, checkpointing=True)
     losses_plain, _ = _train(tmp_path / "plain", batch=4, accumulation=1, checkpointing=False)
     assert len(losses_ga) == 2 and all(math.isfinite(v) for v in losses_ga)

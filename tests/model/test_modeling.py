@@ -143,7 +143,8 @@ def test_shape_ledger(monkeypatch):
 
 
 @pytest.mark.parametrize("route", ["dense", "moe", "cached-decode"])
-def test_block_preserves_BTD_on_every_route(route):
+def test_block_keeps_shape_on_every_route(route):
+    """Block preserves BTD on every route."""
     config = tiny_config(use_moe=route == "moe")
     layer = MiniMindDecoderLayer(config, 0).eval()
     rotary = MiniMindRotaryEmbedding(config)
@@ -165,7 +166,8 @@ def test_block_preserves_BTD_on_every_route(route):
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_minillama_0_04b_parameter_count():
+def test_minillama_parameter_count():
+    """minillama_0_04b() has the expected parameter count."""
     model = MiniMindForCausalLM(MiniMindConfig.minillama_0_04b())
     assert sum(p.numel() for p in model.parameters()) == 35_926_528
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -204,7 +206,8 @@ def test_chunked_logits_equal_full_logits(cache_kind, attn):
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_past_key_values_keyword_is_the_same_cache():
+def test_past_key_values_is_the_same_cache():
+    """The past_key_values keyword is the same cache."""
     model = tiny_model(std=0.1)
     ids = torch.randint(0, 97, (1, 6))
     with torch.no_grad():
@@ -215,7 +218,8 @@ def test_past_key_values_keyword_is_the_same_cache():
     torch.testing.assert_close(last, full, atol=1e-5, rtol=1e-5)
 
 
-def test_greedy_generate_with_and_without_cache_is_sensitive_and_equal():
+def test_greedy_cached_equals_uncached():
+    """Greedy generate with and without cache is sensitive and equal."""
     model = tiny_model(std=0.2)
     prompt = torch.tensor([[5, 17, 42, 8, 3]])
     with torch.no_grad():
@@ -244,7 +248,8 @@ def test_left_padded_row_equals_unpadded_row():
     assert torch.equal(together[1, 6:], alone_long[0, 6:])
 
 
-def test_sampling_and_beam_search_equal_qwen3_with_same_weights_and_seed():
+def test_sampling_and_beams_equal_qwen3():
+    """Sampling and beam search equal Qwen3 with same weights and seed."""
     ours = tiny_model(std=0.2, attn_implementation="eager")
     theirs = to_qwen3_model(ours)
     prompt = torch.tensor([[5, 17, 42], [9, 3, 61]])
@@ -275,7 +280,9 @@ def test_sampling_and_beam_search_equal_qwen3_with_same_weights_and_seed():
     assert not torch.equal(sampled, greedy)
 
 
-def test_streamer_receives_the_prompt_then_each_generated_token():
+def test_streamer_gets_prompt_then_each_token():
+    """Streamer receives the prompt then each generated token."""
+
     class Recorder:  # the streamer protocol: put(prompt), put(token) per step, end()
         def __init__(self):
             self.chunks = []
@@ -308,7 +315,8 @@ def _pair(**overrides):
     return eager, sdpa
 
 
-def test_eager_equals_sdpa_without_and_with_padding_mask():
+def test_eager_equals_sdpa_with_padding():
+    """Eager equals SDPA without and with padding mask."""
     eager, sdpa = _pair()
     ids = torch.randint(1, 97, (2, 7))
     mask = torch.ones_like(ids)
@@ -320,7 +328,8 @@ def test_eager_equals_sdpa_without_and_with_padding_mask():
     torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-5)
 
 
-def test_eager_equals_sdpa_with_non_empty_cache_and_mask():
+def test_eager_equals_sdpa_with_cache():
+    """Eager equals SDPA with non empty cache and mask."""
     eager, sdpa = _pair()
     ids = torch.randint(1, 97, (2, 8))
     mask = torch.ones_like(ids)
@@ -366,7 +375,8 @@ def test_set_attn_implementation_switches_kernel(monkeypatch):
     assert calls == {"eager": 2, "sdpa": 2}
 
 
-def test_flash_attention_2_without_the_package_is_a_clear_error():
+def test_flash_attention_2_missing_is_clear():
+    """flash_attention_2 without the package is a clear error."""
     try:
         import flash_attn  # noqa: F401
 
@@ -452,7 +462,7 @@ ROPE_TYPES = [
 
 
 @pytest.mark.parametrize("rope", ROPE_TYPES, ids=lambda r: r["rope_type"])
-def test_every_rope_type_equals_qwen3_rotary_embedding_past_the_trained_length(rope):
+def test_every_rope_type_equals_qwen3(rope):
     """inv_freq, attention scaling and cos/sin equal Qwen3's for every rope type transformers accepts for it,
     at positions inside and beyond max_position_embeddings (where dynamic and longrope switch frequencies)."""
     from transformers import Qwen3Config
@@ -508,9 +518,10 @@ def test_moe_logits_and_aux_loss_equal_qwen3_moe(top_k):
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_moe_block_under_bf16_autocast_equals_qwen3_moe_bit_for_bit(top_k):
+def test_moe_bf16_autocast_bitwise_qwen3(top_k):
     # The weighted expert outputs add up in the residual stream's dtype (fp32 under autocast), as Qwen3-MoE's
     # eager experts do; summing them in bf16 instead moves the output by about 1e-2.
+    """Moe block under bf16 autocast equals qwen3 moe bit for bit."""
     ours = tiny_model(std=0.1, use_moe=True, num_experts=4, num_experts_per_tok=top_k)
     theirs = to_qwen3_model(ours)
     theirs.set_experts_implementation("eager")  # the same per-expert matmuls as ours; grouped_mm rounds otherwise
@@ -538,7 +549,8 @@ def test_moe_block_equals_plain_per_token_routing():
     torch.testing.assert_close(out.view(-1, config.hidden_size), reference, atol=1e-6, rtol=1e-5)
 
 
-def test_moe_aux_loss_in_loss_with_labels_and_absent_at_generation(monkeypatch):
+def test_moe_aux_loss_only_with_labels(monkeypatch):
+    """MoE aux loss in loss with labels and absent at generation."""
     import modeling_minimind
 
     model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2)
@@ -560,7 +572,7 @@ def test_moe_aux_loss_in_loss_with_labels_and_absent_at_generation(monkeypatch):
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_router_gradient_from_the_block_output_equals_the_hand_computed_one(top_k):
+def test_router_gradient_equals_hand_computed(top_k):
     """d(g . out)/d(router weight) for fixed upstream gradients g. Each token's output is
     sum_i w_i * expert_i(x) with w = p_top / sum(p_top) (k=2) or p / stopgrad(p) (k=1), p = softmax(W x);
     so dL/dlogit_j = sum_i c_i * dw_i/dlogit_j with c_i = g . expert_i(x), and dw/dlogit follows from
@@ -591,7 +603,8 @@ def test_router_gradient_from_the_block_output_equals_the_hand_computed_one(top_
     assert expected.abs().max() > 1e-3
 
 
-def test_moe_generate_with_left_padding_matches_unpadded():
+def test_moe_left_padded_generate_matches():
+    """MoE generate with left padding matches unpadded."""
     model = tiny_model(std=0.2, use_moe=True, num_experts=4, num_experts_per_tok=2)
     batch = torch.tensor([[0, 0, 9, 4, 7], [3, 5, 8, 1, 2]])
     mask = (batch != 0).long()
@@ -605,7 +618,8 @@ def test_moe_generate_with_left_padding_matches_unpadded():
 # ------------------------------------------------------------------------------------------------------
 
 
-def test_inputs_embeds_hidden_states_return_dict_and_logits_to_keep():
+def test_embeds_hidden_states_and_logits_to_keep():
+    """inputs_embeds, output_hidden_states, return_dict and logits_to_keep."""
     model = tiny_model(std=0.1)
     ids = torch.randint(0, 97, (2, 6))
     with torch.no_grad():
@@ -619,7 +633,8 @@ def test_inputs_embeds_hidden_states_return_dict_and_logits_to_keep():
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], base.logits)
 
 
-def test_logits_to_keep_with_labels_scores_the_kept_window():
+def test_logits_to_keep_scores_kept_window():
+    """Logits to keep with labels scores the kept window."""
     model = tiny_model(std=0.1)
     ids = torch.randint(0, 97, (2, 8))
     full = model(ids)
@@ -660,7 +675,8 @@ def test_bf16_autocast_training_stays_finite():
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
-def test_gradient_checkpointing_gives_the_same_gradients():
+def test_gradient_checkpointing_same_gradients():
+    """Gradient checkpointing gives the same gradients."""
     model = tiny_model(std=0.1).train()
     ids = torch.randint(0, 97, (2, 8))
     model(ids, labels=ids).loss.backward()
@@ -692,7 +708,8 @@ def test_attention_mask_of_the_wrong_shape_raises(mask_shape):
         model(torch.randint(0, 97, (2, 6)), attention_mask=torch.ones(mask_shape, dtype=torch.long))
 
 
-def test_sequence_beyond_max_position_embeddings_runs_like_qwen3_and_warns_once(caplog):
+def test_beyond_max_positions_warns_once(caplog):
+    """A sequence beyond max_position_embeddings runs like Qwen3 and warns once."""
     import transformers
 
     model = tiny_model(std=0.1, max_position_embeddings=16, attn_implementation="eager")
@@ -713,7 +730,8 @@ def test_sequence_beyond_max_position_embeddings_runs_like_qwen3_and_warns_once(
     assert len(warnings) == 1
 
 
-def test_continuous_batching_with_paged_cache_equals_generate():
+def test_continuous_batching_equals_generate():
+    """Continuous batching with paged cache equals generate."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 

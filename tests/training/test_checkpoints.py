@@ -114,7 +114,8 @@ def damage(path, how):
         raise AssertionError(how)
 
 
-def test_saves_leave_complete_checkpoints_and_no_staging(run):
+def test_saves_are_complete_with_no_staging(run):
+    """Saves leave complete checkpoints and no staging."""
     from minimind.training import STAGING_DIR, checkpoint_problems
 
     out, args = run
@@ -159,7 +160,8 @@ def expected_problem(name, how):
 
 
 @pytest.mark.parametrize("name, how", DAMAGE)
-def test_last_falls_back_past_a_damaged_checkpoint_naming_the_file(run_copy, caplog, name, how):
+def test_last_skips_damaged_naming_the_file(run_copy, caplog, name, how):
+    """Last falls back past a damaged checkpoint naming the file."""
     from minimind.training import resolve_resume_checkpoint
 
     out, args = run_copy
@@ -170,7 +172,8 @@ def test_last_falls_back_past_a_damaged_checkpoint_naming_the_file(run_copy, cap
 
 
 @pytest.mark.parametrize("name, how", DAMAGE)
-def test_explicit_damaged_checkpoint_is_refused_naming_the_file(run_copy, name, how):
+def test_explicit_damaged_is_refused(run_copy, name, how):
+    """Explicit damaged checkpoint is refused naming the file."""
     from minimind.training import resolve_resume_checkpoint
 
     out, args = run_copy
@@ -187,7 +190,8 @@ def test_explicit_damaged_checkpoint_is_refused_naming_the_file(run_copy, name, 
     )
 
 
-def test_safetensors_one_byte_short_or_long_is_damaged(run_copy):
+def test_safetensors_off_by_one_byte_damaged(run_copy):
+    """Safetensors one byte short or long is damaged."""
     from minimind.training import checkpoint_problems
 
     out, args = run_copy
@@ -203,7 +207,7 @@ def test_safetensors_one_byte_short_or_long_is_damaged(run_copy):
     assert checkpoint_problems(out / "checkpoint-4", args) == []
 
 
-def test_adapter_and_sharded_weights_are_checked_too(run_copy):
+def test_adapter_and_shards_are_checked(run_copy):
     """LoRA checkpoints hold adapter_model.safetensors; large models a safetensors index and its shards."""
     from minimind.training import checkpoint_problems
 
@@ -246,7 +250,7 @@ def test_every_problem_is_listed(run_copy):
     assert len(problems) == 2
 
 
-def test_what_is_required_follows_the_training_arguments(run_copy):
+def test_required_files_follow_arguments(run_copy):
     """--save_only_model resumes need no optimizer, scheduler or RNG files; a 2-process resume needs each
     process's RNG state; a run with a gradient scaler (fp16) needs scaler.pt."""
     from minimind.training import checkpoint_problems
@@ -272,7 +276,8 @@ def test_what_is_required_follows_the_training_arguments(run_copy):
     ]
 
 
-def test_last_with_no_complete_checkpoint_refuses_instead_of_starting_over(run_copy, caplog):
+def test_last_with_none_complete_refuses(run_copy, caplog):
+    """Last with no complete checkpoint refuses instead of starting over."""
     from minimind.training import resolve_resume_checkpoint
 
     out, args = run_copy
@@ -289,7 +294,8 @@ def test_last_with_no_complete_checkpoint_refuses_instead_of_starting_over(run_c
     assert "checkpoint-2: optimizer.pt is missing" in caplog.text
 
 
-def test_last_with_no_checkpoint_yet_starts_from_scratch(tmp_path, caplog):
+def test_last_with_none_yet_starts_fresh(tmp_path, caplog):
+    """Last with no checkpoint yet starts from scratch."""
     from minimind.training import resolve_resume_checkpoint
 
     args = types.SimpleNamespace(resume_from_checkpoint="last", output_dir=str(tmp_path / "new"))
@@ -298,7 +304,7 @@ def test_last_with_no_checkpoint_yet_starts_from_scratch(tmp_path, caplog):
     assert "no checkpoint in" in caplog.text and "starting from scratch" in caplog.text
 
 
-def test_resume_command_falls_back_when_the_newest_optimizer_is_gone(run_copy, pretrain_data, capsys):
+def test_resume_skips_missing_optimizer(run_copy, pretrain_data, capsys):
     """The measured bug: with the newest optimizer.pt deleted, `--resume_from_checkpoint last` used to continue
     from it with a fresh Adam state and no warning. Now it warns and resumes from checkpoint-2."""
     out, _ = run_copy
@@ -315,7 +321,8 @@ def test_resume_command_falls_back_when_the_newest_optimizer_is_gone(run_copy, p
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
 
 
-def test_resume_command_with_truncated_weights_names_file_and_checkpoint(run_copy, pretrain_data, capsys):
+def test_resume_names_truncated_weights(run_copy, pretrain_data, capsys):
+    """Resume command with truncated weights names file and checkpoint."""
     out, _ = run_copy
     truncate(out / "checkpoint-4" / "model.safetensors")
     capsys.readouterr()
@@ -331,7 +338,7 @@ def test_resume_command_with_truncated_weights_names_file_and_checkpoint(run_cop
 
 
 @pytest.mark.parametrize("name", ["scheduler.pt", "rng_state.pth"])
-def test_a_whole_archive_with_a_damaged_pickle_is_damaged(run_copy, name):
+def test_archive_with_bad_pickle_is_damaged(run_copy, name):
     """The zip's directory intact, bytes inside its pickle overwritten: only loading it as Trainer does (what the
     check does for these small files) finds that, instead of an UnpicklingError traceback at resume."""
     import zipfile
@@ -358,7 +365,7 @@ def test_a_whole_archive_with_a_damaged_pickle_is_damaged(run_copy, name):
 
 
 @pytest.mark.parametrize("name", ["config.json", "scheduler.pt"])
-def test_resume_command_falls_back_past_a_damaged_config_or_scheduler(run_copy, pretrain_data, capsys, name):
+def test_resume_skips_damaged_config(run_copy, pretrain_data, capsys, name):
     """These used to end the resumed run with a JSON or pickle traceback; now the command names the file and
     resumes from checkpoint-2."""
     out, _ = run_copy
@@ -372,7 +379,7 @@ def test_resume_command_falls_back_past_a_damaged_config_or_scheduler(run_copy, 
     assert [entry["step"] for entry in trainer.state.log_history if "loss" in entry] == [1, 2, 3, 4, 5, 6]
 
 
-def test_a_save_killed_midway_leaves_no_checkpoint_dir(pretrain_data, tmp_path, monkeypatch):
+def test_killed_save_leaves_no_directory(pretrain_data, tmp_path, monkeypatch):
     """Checkpoints are written to a staging directory and renamed when whole: a save that dies after the weights
     (here: while writing the RNG state of step 4) leaves checkpoint-2 as the newest checkpoint, and the next
     resume continues from it and cleans up."""
@@ -443,9 +450,7 @@ FULL_DISK = {
 
 
 @pytest.mark.parametrize("target", FULL_DISK)
-def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(
-    pretrain_data, tmp_path, monkeypatch, capsys, target
-):
+def test_full_disk_mid_save_loses_nothing(pretrain_data, tmp_path, monkeypatch, capsys, target):
     """ENOSPC while checkpoint-4 is written (the weights, the optimizer state, or torch.save's zip writer, which says
     nothing of the disk: then the free space tells) ends the command with one line naming the filesystem and the
     room needed; the staged files are gone, checkpoint-2 is intact, and a rerun resumes from it."""
@@ -490,7 +495,8 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_loses_nothing(
     assert training.checkpoint_problems(out / "checkpoint-4", trainer.args) == []
 
 
-def test_a_full_disk_at_the_final_save_removes_its_partial_files(pretrain_data, tmp_path, monkeypatch, capsys):
+def test_full_disk_final_save_cleans_up(pretrain_data, tmp_path, monkeypatch, capsys):
+    """A full disk at the final save removes its partial files."""
     from minimind import cli, training
 
     out = tmp_path / "run"
@@ -520,7 +526,7 @@ def test_a_full_disk_at_the_final_save_removes_its_partial_files(pretrain_data, 
     assert not training._safetensors_problem(out / "model.safetensors")
 
 
-def test_saving_over_an_existing_checkpoint_replaces_it_whole(run_copy, pretrain_data):
+def test_save_over_existing_replaces_whole(run_copy, pretrain_data):
     """Resuming from checkpoint-2 re-saves checkpoint-4: the new one replaces the old directory (no mix of the
     two runs' files, and no file left over from the old one)."""
     out, _ = run_copy
@@ -532,7 +538,7 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(run_copy, pretrain
     assert (out / "checkpoint-4" / "optimizer.pt").is_file()
 
 
-def test_best_checkpoint_is_recorded_at_its_final_path(pretrain_data, tmp_path):
+def test_best_recorded_at_final_path(pretrain_data, tmp_path):
     """Trainer records the best checkpoint by the path it saved to; staged saves must record checkpoint-N."""
     out = tmp_path / "run"
     trainer, _ = load_script("pretrain").main(
@@ -565,7 +571,8 @@ def run_command(name, argv):
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory"])
-def test_bad_data_path_is_a_clear_error_without_traceback(tmp_path, capsys, kind):
+def test_bad_data_path_is_a_clear_error(tmp_path, capsys, kind):
+    """Bad data path is a clear error without traceback."""
     path = tmp_path / "nope.jsonl"
     if kind == "directory":
         path = tmp_path / "a_dir"
@@ -613,7 +620,7 @@ UNENCODABLE = {
 
 @pytest.mark.parametrize("fault", ["surrogate", "nesting"])
 @pytest.mark.parametrize("kind", ["pretrain", "sft"])
-def test_unencodable_or_deep_line_is_one_line_from_the_command(tmp_path, capsys, kind, fault):
+def test_command_names_unencodable_line(tmp_path, capsys, kind, fault):
     """A lone surrogate used to end training with a UnicodeEncodeError from the tokenizer, 100,000 nested brackets
     with a RecursionError: both tracebacks. Now the command names the line; --skip_bad_lines trains on the rest."""
     from minimind import cli
@@ -655,7 +662,8 @@ def test_unencodable_or_deep_line_is_one_line_from_the_command(tmp_path, capsys,
         assert len(trainer.train_dataset) == 9 and trainer.state.global_step == 1
 
 
-def test_dpo_pair_with_different_prompts_is_refused_at_load_time(tmp_path, capsys):
+def test_dpo_pair_prompt_mismatch_refused(tmp_path, capsys):
+    """DPO pair with different prompts is refused at load time."""
     good = {
         "chosen": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}],
         "rejected": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "B"}],
@@ -692,7 +700,8 @@ def test_utf8_bom_is_accepted(tmp_path):
 
 
 @pytest.mark.parametrize("missing", [["tokenizer.json"], ["tokenizer.json", "tokenizer_config.json"]])
-def test_a_model_directory_without_tokenizer_files_names_them(tmp_path, missing):
+def test_missing_tokenizer_files_are_named(tmp_path, missing):
+    """A model directory without tokenizer files names them."""
     from conftest import model_dir
     from minimind.chat import load_model_and_tokenizer
 
@@ -707,7 +716,8 @@ def test_a_model_directory_without_tokenizer_files_names_them(tmp_path, missing)
     )
 
 
-def test_a_truncated_weights_file_in_a_model_directory_is_named_by_the_chat_loader(tmp_path):
+def test_chat_loader_names_truncated_weights(tmp_path):
+    """A truncated weights file in a model directory is named by the chat loader."""
     from conftest import model_dir
     from minimind.chat import load_model_and_tokenizer
 

@@ -164,7 +164,7 @@ def test_tensor_parallel_matches_one_process(kind, tp_models, tp_run):
         assert got["generated"].tolist() == greedy.tolist(), rank
 
 
-def test_tensor_parallel_plan_shards_heads_mlp_and_every_expert(tp_run, tp_models):
+def test_tensor_parallel_plan_shards_all(tp_run, tp_models):
     """The plan's `layers.*.mlp.experts.*.gate_proj` patterns match the ModuleList names (`experts.3.gate_proj`):
     transformers replaces every `.N.` of a name by `.*.` before looking it up. Each rank holds half the query rows,
     half the vocabulary of the (tied) embedding, and half of every expert; router and norms are replicated."""
@@ -235,7 +235,7 @@ def losses(log_history):
     reason="this transformers' Trainer cannot train a model sharded at load time (5.17 cannot; "
     "5.24 can), and accelerate shards with FSDP on GPUs only",
 )
-def test_fsdp2_on_cpu_shards_matches_one_process_and_saves_a_full_model(tmp_path):
+def test_fsdp2_matches_one_process_and_saves(tmp_path):
     """2 processes x batch 2 under FSDP2 and 1 process x batch 4 see the same global batches and average the same
     gradients, so the losses agree up to summation order. Measured: identical over 3 steps (one process with batch
     2 is 0.02, 0.08, 0.14 off, so 1e-4 catches a wrong split or loss scale); each rank holds 235,712 of 471,424

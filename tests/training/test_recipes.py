@@ -87,7 +87,8 @@ def pretrained(tmp_path_factory, data):
     return str(out), trainer, metrics
 
 
-def test_pretrain_writes_its_loss_curves_as_a_table_and_a_plot(pretrained):
+def test_pretrain_writes_loss_curves(pretrained):
+    """Pretrain writes its loss curves as a table and a plot."""
     out, trainer, _ = pretrained
     history = trainer.state.log_history
     train = {e["step"]: f"{e['loss']:.4f}" for e in history if "loss" in e}
@@ -104,7 +105,8 @@ def test_pretrain_writes_its_loss_curves_as_a_table_and_a_plot(pretrained):
     assert plot.ndim == 3 and plot.shape[0] > 100 and plot.shape[1] > 100
 
 
-def test_pretrain_writes_complete_loadable_hf_directory(pretrained):
+def test_pretrain_writes_loadable_directory(pretrained):
+    """Pretrain writes complete loadable HF directory."""
     out, trainer, metrics = pretrained
     losses = logged_losses(trainer)
     assert trainer.state.global_step == 12 and losses[-1] < losses[0] - 0.3, losses
@@ -213,7 +215,7 @@ def test_padding_free_sft_gives_the_padded_loss(pretrained, data, tmp_path):
     assert starts == [0, *real.sum(1).cumsum(0)[:-1].tolist()]  # positions restart at every chat
 
 
-def test_precision_follows_the_hardware_unless_chosen(monkeypatch):
+def test_precision_follows_hardware(monkeypatch):
     """Unset, bf16 where a CUDA GPU supports it and fp32 elsewhere (TRL's DPOConfig alone would pick bf16 and refuse
     to start on a CPU); --bf16, --no_bf16 and --fp16 from the user win."""
     from trl import DPOConfig
@@ -238,7 +240,7 @@ def test_precision_follows_the_hardware_unless_chosen(monkeypatch):
     assert dpo_args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
-def test_activation_checkpointing_is_off_by_default_and_one_flag_turns_it_on(recwarn):
+def test_activation_checkpointing_is_opt_in(recwarn):
     """Every script starts with checkpointing off (TRL's DPOConfig would switch it on, through the name that
     transformers 5.24 deprecates); --activation_checkpointing turns it on, also where only the old name exists."""
     from trl import DPOConfig
@@ -268,7 +270,8 @@ def test_lora_targets_projections_not_router():
     assert not any(name.endswith(".mlp.gate") for name in wrapped)  # the MoE router stays frozen
 
 
-def test_lora_adapter_and_merged_model_give_same_logits(pretrained, data, tmp_path):
+def test_lora_adapter_equals_merged_model(pretrained, data, tmp_path):
+    """LoRA adapter and merged model give same logits."""
     from peft import PeftModel
 
     out = tmp_path / "lora"
@@ -439,7 +442,8 @@ def subprocess_env():
     }
 
 
-def test_sigkill_mid_run_then_resume_finishes_all_steps(data, tmp_path):
+def test_resume_after_sigkill_finishes(data, tmp_path):
+    """SIGKILL mid-run, then resume finishes all steps."""
     from minimind.training import is_complete_checkpoint, latest_complete_checkpoint
 
     out = tmp_path / "run"
@@ -553,7 +557,7 @@ def test_two_processes_match_one_process(data, tmp_path):
     assert one_losses == pytest.approx(two_losses, abs=1e-4), (one_losses, two_losses)
 
 
-def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data, tmp_path, monkeypatch):
+def test_resume_continues_with_same_losses(data, tmp_path, monkeypatch):
     """Stopping after checkpoint-3 and resuming gives the uninterrupted run's per-step losses: weights, Adam state,
     scheduler, RNG and data order all come back. The resumed run must really start at step 3 (a run that
     ignored the checkpoint would retrain steps 0-5 and, with the same seed, log the same losses)."""
@@ -608,7 +612,7 @@ def test_resumed_run_continues_at_the_checkpoint_step_with_the_same_losses(data,
 
 
 @pytest.mark.slow
-def test_torch_compile_flag_trains_the_same_losses_as_eager(data, tmp_path):
+def test_torch_compile_matches_eager_losses(data, tmp_path):
     """The Trainer's own `--torch_compile` on a dense MiniMind: inductor compiles forward and backward on CPU and
     the per-step losses follow eager's (fused elementwise kernels round differently, so not bit for bit)."""
     common = [
@@ -633,7 +637,8 @@ def test_torch_compile_flag_trains_the_same_losses_as_eager(data, tmp_path):
     assert len(logged_losses(compiled)) == 4
 
 
-def test_report_to_tensorboard_writes_the_logged_losses(tmp_path, data):
+def test_tensorboard_gets_the_logged_losses(tmp_path, data):
+    """report_to tensorboard writes the logged losses."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -652,7 +657,8 @@ def test_report_to_tensorboard_writes_the_logged_losses(tmp_path, data):
     ("bf16", "native", "warned"),
     [(True, False, True), (True, True, False), (True, None, False), (False, False, False)],
 )
-def test_bf16_on_a_cpu_without_it_warns_before_training(bf16, native, warned, monkeypatch, tmp_path, capsys):
+def test_bf16_without_cpu_support_warns(bf16, native, warned, monkeypatch, tmp_path, capsys):
+    """bf16 on a CPU without it warns before training."""
     from minimind.training import MiniMindTrainingArguments, arguments, recipes
 
     monkeypatch.setattr(arguments, "cpu_native_bf16", lambda: native)

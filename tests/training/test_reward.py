@@ -41,7 +41,7 @@ def scores(model, tokenizer, conversations):
         return model.eval()(**batch).logits[:, 0]
 
 
-def test_reward_trainer_raises_margin_and_accuracy_on_the_bundled_pairs(tmp_path):
+def test_trainer_raises_margin_and_accuracy(tmp_path):
     """TRL's RewardTrainer, used directly, on a MiniMind SFT checkpoint opened with the Auto class (the package
     imported, as README says; remote code alone: the fresh-interpreter test below): 8 steps on the first 64 bundled
     pairs from a fixed seed raise the share of pairs scored chosen > rejected from 0.34 to 0.91 and
@@ -112,7 +112,7 @@ def reward_command(tmp_path, *flags):
     )
 
 
-def test_reward_command_writes_a_reward_directory_that_grpo_scores_with(tmp_path):
+def test_command_writes_dir_grpo_scores_with(tmp_path):
     """minimind-reward from an SFT checkpoint, two steps on bundled pairs with a bad line skipped: a complete model
     directory (code, auto_map, tokenizer, one-output head, pad id) whose reloads (Auto class with remote code; our
     checked loader, as GRPO's --reward_model uses) score as the trained model does; GRPO then trains with it."""
@@ -197,7 +197,8 @@ def test_reward_command_writes_a_reward_directory_that_grpo_scores_with(tmp_path
     assert any("rewards/reward/mean" in entry for entry in grpo_trainer.state.log_history)
 
 
-def test_a_bad_pair_stops_the_command_naming_file_and_line(tmp_path, capsys):
+def test_bad_pair_stops_naming_file_and_line(tmp_path, capsys):
+    """A bad pair stops the command naming file and line."""
     model_dir(tmp_path / "sft", std=0.02)
     lines = open(BUNDLED_PAIRS, encoding="utf-8").read().splitlines()[:4]
     data = tmp_path / "pairs.jsonl"
@@ -209,7 +210,7 @@ def test_a_bad_pair_stops_the_command_naming_file_and_line(tmp_path, capsys):
     assert not (tmp_path / "reward").exists()  # stopped before any model was built
 
 
-def test_reward_model_loading_refuses_a_language_model_and_foreign_code(tmp_path):
+def test_loading_refuses_lm_and_foreign_code(tmp_path):
     """GRPO's --reward_model: a MiniMind language model (no score head) would score with a random head and is
     refused; a directory of an unknown model type that ships code is refused without running it."""
     from minimind.errors import InputError
@@ -224,7 +225,7 @@ def test_reward_model_loading_refuses_a_language_model_and_foreign_code(tmp_path
     assert not marker.exists()
 
 
-def test_reward_directory_reloads_with_remote_code_in_a_fresh_interpreter(tmp_path):
+def test_directory_reloads_as_remote_code(tmp_path):
     """Where MiniMind is not installed: a reward directory opens with AutoModelForSequenceClassification and
     trust_remote_code=True in an interpreter that never imported our code, with the scores of the in-memory model."""
     from minimind.training import load_reward_model

@@ -48,7 +48,8 @@ def sft_losses(model, tokenizer, output_dir):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_sft_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
+def test_sft_dense_trains_like_qwen3(tmp_path):
+    """SFT trainer trains a dense MiniMind exactly like Qwen3."""
     ours = model_dir(tmp_path / "model", std=0.02)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     theirs = to_qwen3_model(ours)
@@ -59,7 +60,8 @@ def test_sft_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
     assert ours_losses == pytest.approx(theirs_losses, rel=1e-4)
 
 
-def test_sft_trainer_adds_the_moe_aux_loss_for_a_moe_minimind(tmp_path):
+def test_sft_moe_adds_aux_loss(tmp_path):
+    """SFT trainer adds the MoE aux loss for a MoE MiniMind."""
     ours = model_dir(tmp_path / "model", std=0.02, use_moe=True, num_experts=4, num_experts_per_tok=2)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     assert ours.config.output_router_logits is False and ours.config.router_aux_loss_coef == 5e-4
@@ -115,7 +117,8 @@ def dpo_log(model, tokenizer, output_dir):
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_dpo_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
+def test_dpo_dense_trains_like_qwen3(tmp_path):
+    """DPO trainer trains a dense MiniMind exactly like Qwen3."""
     ours = model_dir(tmp_path / "model", std=0.02)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     theirs = to_qwen3_model(ours)
@@ -132,7 +135,8 @@ def test_dpo_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
     assert "aux_loss" not in ours_log[0]
 
 
-def test_dpo_trainer_adds_the_moe_aux_loss_for_a_moe_minimind(tmp_path):
+def test_dpo_moe_adds_aux_loss(tmp_path):
+    """DPO trainer adds the MoE aux loss for a MoE MiniMind."""
     ours = model_dir(tmp_path / "model", std=0.02, use_moe=True, num_experts=4, num_experts_per_tok=2)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     log = dpo_log(ours.train(), tokenizer, tmp_path / "ours")
@@ -184,7 +188,7 @@ def text_length_recorder():
     return text_length, seen
 
 
-def test_grpo_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
+def test_grpo_dense_trains_like_qwen3(tmp_path):
     """Sampling draws from the same seeded generator, and the two models' probabilities agree to ~1e-6, so both
     runs sample the same completions, score the same rewards and take the same gradient steps. The logged loss
     itself is ~1e-7 for both: with one update per generation the importance ratio is 1 and the group-normalised
@@ -207,7 +211,8 @@ def test_grpo_trainer_trains_a_dense_minimind_exactly_like_qwen3(tmp_path):
     assert "aux_loss" not in ours_log[0]
 
 
-def test_grpo_trainer_adds_the_moe_aux_loss_for_a_moe_minimind(tmp_path):
+def test_grpo_moe_adds_aux_loss(tmp_path):
+    """GRPO trainer adds the MoE aux loss for a MoE MiniMind."""
     ours = model_dir(tmp_path / "model", std=0.02, use_moe=True, num_experts=4, num_experts_per_tok=2)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model")
     reward, texts = text_length_recorder()
@@ -231,7 +236,8 @@ def chat_file(path, chats):
     return str(path)
 
 
-def test_questions_are_the_chat_file_questions_with_checkable_answers(tmp_path):
+def test_questions_have_checkable_answers(tmp_path):
+    """Questions are the chat file questions with checkable answers."""
     from minimind.rl import question_dataset
 
     user, assistant = (
@@ -270,7 +276,8 @@ def test_questions_are_the_chat_file_questions_with_checkable_answers(tmp_path):
         question_dataset(path, question_pattern="colour")
 
 
-def test_the_bundled_chats_give_1345_checkable_questions():
+def test_bundled_chats_give_1345_questions():
+    """The bundled chats give 1345 checkable questions."""
     from minimind.rl import question_dataset
     from minimind.training import BUNDLED_DATA
 
@@ -289,7 +296,8 @@ COMPLETIONS = [
 ]
 
 
-def test_correct_answer_compares_the_last_is_phrase_with_the_reference():
+def test_correct_answer_checks_last_phrase():
+    """correct_answer compares the last "is" phrase with the reference."""
     from minimind.rl import correct_answer
 
     answers = ["7", "7", "7", "7", "7", "Tarsk"]
@@ -297,7 +305,8 @@ def test_correct_answer_compares_the_last_is_phrase_with_the_reference():
     assert correct_answer(COMPLETIONS, answers) == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
 
 
-def test_format_followed_wants_one_sentence_of_the_bundled_form():
+def test_format_wants_one_bundled_sentence():
+    """format_followed wants one sentence of the bundled form."""
     from minimind.rl import format_followed
 
     assert format_followed(COMPLETIONS) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
@@ -305,7 +314,8 @@ def test_format_followed_wants_one_sentence_of_the_bundled_form():
     assert format_followed(["<think>3+4</think> 7.", "7."], pattern=thinking) == [1.0, 0.0]
 
 
-def test_length_penalty_counts_completion_tokens_past_the_limit():
+def test_length_penalty_counts_excess_tokens():
+    """Length penalty counts completion tokens past the limit."""
     from minimind.rl import length_penalty
 
     ids = [[5] * n for n in (10, 32, 48, 64, 100)]
@@ -313,7 +323,8 @@ def test_length_penalty_counts_completion_tokens_past_the_limit():
     assert length_penalty(["x"], [[5] * 12], max_tokens=8) == [-0.5]
 
 
-def test_repetition_penalty_is_the_share_of_repeated_word_ngrams():
+def test_repetition_penalty_is_repeated_share():
+    """Repetition penalty is the share of repeated word n-grams."""
     from minimind.rl import repetition_penalty
 
     texts = ["a b c d", "a b a b a b", "one two", "Go go GO go", "the cat the cat sat"]
@@ -322,7 +333,8 @@ def test_repetition_penalty_is_the_share_of_repeated_word_ngrams():
     assert repetition_penalty(["the cat the cat sat"], ngram=2) == [-0.25]
 
 
-def test_reward_flags_choose_the_functions_and_trl_weights(tmp_path, monkeypatch):
+def test_reward_flags_choose_functions(tmp_path, monkeypatch):
+    """Reward flags choose the functions and TRL weights."""
     from minimind.rl import RewardArguments, load_reward_function, reward_functions
 
     functions, weights = reward_functions(RewardArguments())
@@ -429,7 +441,7 @@ def grpo_command(tmp_path, *flags):
     )
 
 
-def test_grpo_command_adds_a_reward_function_and_a_reward_model(tmp_path, reward_module):
+def test_grpo_adds_reward_function_and_model(tmp_path, reward_module):
     """One step with the built-in rewards, a --reward function and a --reward_model directory (a tiny Qwen3
     sequence classifier): TRL scores with all four at their flag weights, the reward model's logged mean is its own
     score of the prompts and completions the function saw, and the output is a complete model directory."""
@@ -498,7 +510,7 @@ def test_grpo_command_adds_a_reward_function_and_a_reward_model(tmp_path, reward
     assert (output / "reward_curve.md").read_text().splitlines()[2] == f"| 1 | {logged['reward']:.3f} |"
 
 
-def test_grpo_command_with_a_kl_term_starts_from_a_saved_model(tmp_path):
+def test_grpo_kl_starts_from_saved_model(tmp_path):
     """TRL reloads the KL reference from the policy's path: a saved model has one and logs a KL (0 at step 1, the
     policy still equal to the reference); a new model built from size flags is refused before anything is built."""
     model_dir(tmp_path / "model", std=0.02)
@@ -511,7 +523,7 @@ def test_grpo_command_with_a_kl_term_starts_from_a_saved_model(tmp_path):
         grpo_command(tmp_path, *TINY_MODEL, "--beta", "0.04", "--max_steps", "1")
 
 
-def test_grpo_raises_the_mean_reward_from_a_fixed_seed(tmp_path, reward_module, monkeypatch):
+def test_grpo_raises_mean_reward(tmp_path, reward_module, monkeypatch):
     """A new tiny MiniMind, 16 GRPO steps on a reward it can learn (the share of completion tokens from the lower
     half of the vocabulary; an untrained model samples it at about 0.5): the last four steps' mean reward beats
     the first four's by more than 0.25 (measured: 0.48 -> 1.00; 6 s, up to 28 s on a busy machine)."""
