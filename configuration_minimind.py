@@ -1,3 +1,4 @@
+# Copyright 2026 The MiniMind developers. Licensed under the Apache License, Version 2.0.
 """MiniMind configuration.
 
 Field names follow transformers' Qwen3 / Qwen3-MoE configs and upstream MiniMind's, so a config
@@ -69,13 +70,41 @@ _FIELD_RULES = {
 }
 
 
-# Each expert's projections, separate Linear modules here; only a MoE model has them, and every
-# entry of a model's plan must match one of its parameters.
+# Each expert's projections are separate Linear modules here. Like Qwen3-MoE's plan, every expert's intermediate
+# width is split across ranks and the experts module sums the partial outputs once per layer ("moe_tp_experts"),
+# each projection running on its local shard ("local_params"). Releases without "local_params" (5.17) split the
+# same way but reduce after each expert's down projection. Shared experts split as Qwen2-MoE's shared expert.
+# Only a MoE model has these: every entry of a model's plan must match one of its parameters or modules.
 _EXPERT_TP_PLAN = {
+    "layers.*.mlp.experts.*.gate_proj.weight": "colwise",
+    "layers.*.mlp.experts.*.up_proj.weight": "colwise",
+    "layers.*.mlp.experts.*.down_proj.weight": "rowwise",
+    "layers.*.mlp.experts.*.gate_proj": "local_params",
+    "layers.*.mlp.experts.*.up_proj": "local_params",
+    "layers.*.mlp.experts.*.down_proj": "local_params",
+    "layers.*.mlp.experts": "moe_tp_experts",
+}
+_EXPERT_TP_PLAN_PER_EXPERT_REDUCE = {
     "layers.*.mlp.experts.*.gate_proj": "colwise",
     "layers.*.mlp.experts.*.up_proj": "colwise",
     "layers.*.mlp.experts.*.down_proj": "rowwise",
 }
+_SHARED_EXPERT_TP_PLAN = {
+    "layers.*.mlp.shared_experts.*.gate_proj": "colwise",
+    "layers.*.mlp.shared_experts.*.up_proj": "colwise",
+    "layers.*.mlp.shared_experts.*.down_proj": "rowwise",
+}
+
+
+def _expert_tp_plan(n_shared_experts):
+    try:  # the registry fills when the module is imported; absent before 5.x
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+        has_local_params = "local_params" in ALL_PARALLEL_STYLES
+    except ImportError:
+        has_local_params = False
+    plan = dict(_EXPERT_TP_PLAN if has_local_params else _EXPERT_TP_PLAN_PER_EXPERT_REDUCE)
+    return {**plan, **(_SHARED_EXPERT_TP_PLAN if n_shared_experts else {})}
 
 
 def _fail(field, problem, fix):
@@ -346,7 +375,7 @@ class MiniMindConfig(PretrainedConfig):
             self.router_aux_loss_coef = router_aux_loss_coef
             self.output_router_logits = output_router_logits
         if use_moe:  # before super().__init__(): 5.17 extends the instance's plan for tied embeddings
-            self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_EXPERT_TP_PLAN}
+            self.base_model_tp_plan = {**type(self).base_model_tp_plan, **_expert_tp_plan(n_shared_experts)}
         # Upstream's `flash_attn` switch picks the fused kernel (sdpa) or the explicit one (eager);
         # an explicit `attn_implementation` (from the caller or from_pretrained) wins.
         kwargs.setdefault("attn_implementation", None if flash_attn else "eager")

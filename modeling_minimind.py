@@ -1,3 +1,4 @@
+# Copyright 2026 The MiniMind developers. Licensed under the Apache License, Version 2.0.
 """MiniMind: a Llama/Qwen3-family decoder as a transformers model.
 
 In the order and with the names of transformers' `models/qwen3/modeling_qwen3.py`, with Qwen3-MoE's
@@ -157,14 +158,14 @@ class MiniMindMLP(nn.Module):
 class MiniMindRotaryEmbedding(nn.Module):
     """cos/sin for given positions, computed on the fly: no table to outgrow, nothing to save."""
 
-    def __init__(self, config):
+    def __init__(self, config, device=None):  # MiniMind: `device` as in 4.57 / 5.17 (5.24's Qwen3 dropped it)
         super().__init__()
         self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
         self.config = config
         self.rope_type = config.rope_parameters["rope_type"]
         # MiniMind: one entry point for every rope type, also what 4.57's dynamic_rope_update calls.
         self.rope_init_fn = self.compute_rope_parameters
-        inv_freq, self.attention_scaling = self.rope_init_fn(config)
+        inv_freq, self.attention_scaling = self.rope_init_fn(config, device)
         # Non-persistent: `from_pretrained` leaves them uninitialised, so `_init_weights` recomputes them.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
@@ -301,20 +302,27 @@ class MiniMindExperts(nn.ModuleList):
     def __init__(self, config):
         super().__init__(MiniMindMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts))
         self.num_experts = config.num_experts
+        # Under tensor parallelism the kernels below read each rank's shard of every expert when the plan sums the
+        # experts' partial outputs ("moe_tp_experts", as Qwen3-MoE's), and the whole weights otherwise.
+        self._sums_partial_outputs = "moe_tp_experts" in (config.base_model_tp_plan or {}).values()
 
     @property
     def act_fn(self):  # a property, so that the list holds the experts alone
         return self[0].act_fn
 
+    def _weights(self, projection):
+        weights = [getattr(expert, projection).weight for expert in self]
+        if hasattr(weights[0], "to_local"):  # a DTensor: see __init__
+            weights = [w.to_local() if self._sums_partial_outputs else w.full_tensor() for w in weights]
+        return torch.stack(weights)
+
     @property
     def gate_up_proj(self):  # [E, 2I, D], the layout transformers' expert kernels read
-        gate = torch.stack([expert.gate_proj.weight for expert in self])
-        up = torch.stack([expert.up_proj.weight for expert in self])
-        return torch.cat([gate, up], dim=1)
+        return torch.cat([self._weights("gate_proj"), self._weights("up_proj")], dim=1)
 
     @property
     def down_proj(self):  # [E, D, I]
-        return torch.stack([expert.down_proj.weight for expert in self])
+        return self._weights("down_proj")
 
     def forward(self, x, top_k_index, top_k_weights):
         """x [N, D], expert ids and weights [N, k] -> each token's weighted expert sum [N, D]."""

@@ -272,8 +272,6 @@ class MiniMindCommonTest(CommonModelTests, unittest.TestCase):
         MiniMindForQuestionAnswering,
         MiniMindForCausalLM,
     )
-    # The mixin dates a model by the "# Copyright <year>" line of its config file, which ours does not have.
-    test_can_init_all_missing_weights_before_2023 = True
     # The mixin decides "has experts" from the modeling file's source, which serves dense and MoE alike.
     skips = {
         **CommonModelTests.skips,

@@ -82,8 +82,19 @@ for path in paths:
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
              for name, p in model.named_parameters()}  # every rank joins each gather, in the same order
     generated = model.generate(ids[:, :5], max_new_tokens=8, do_sample=False)  # KV cache of the local heads
-    results[path] = dict(shards=shards, logits=logits, train_logits=output.logits.detach(),
-                         loss=output.loss.detach(), grads=grads, generated=generated)
+    # The all-reduces of one forward without autograd (row-parallel projections and the experts' sum).
+    reductions, all_reduce = [], dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: reductions.append(1) or all_reduce(*args, **kwargs)
+    with torch.no_grad():
+        model(input_ids=ids)
+    dist.all_reduce = all_reduce
+    kernels = {}  # transformers' expert kernels on each rank's shards of the experts
+    for kernel in ("batched_mm", "grouped_mm") if any(".mlp.experts." in name for name in shards) else ():
+        model.set_experts_implementation(kernel)
+        with torch.no_grad():
+            kernels[kernel] = model(input_ids=ids).logits
+    results[path] = dict(shards=shards, logits=logits, train_logits=output.logits.detach(), loss=output.loss.detach(),
+                         grads=grads, generated=generated, reductions=len(reductions), kernels=kernels)
 torch.save(results, f"{out}.rank{dist.get_rank()}")
 # Both ranks are done before either closes its process group: a rank that exits with the group open can take
 # its peer down with it (gloo raises "connection closed by peer" in the peer's I/O thread, which aborts it).
@@ -102,11 +113,13 @@ def tp_models(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("tp")
     dirs = {}
-    for kind, extra in (("dense", {}), ("moe", dict(use_moe=True, num_experts=4, num_experts_per_tok=2))):
+    moe = dict(use_moe=True, num_experts=4, num_experts_per_tok=2)
+    for kind, extra in (("dense", {}), ("moe", moe), ("moe-shared", dict(moe, n_shared_experts=1))):
         # A wider init (std 0.1) spreads the logits over a few units, so a wrong shard would show.
         model_dir(str(base / kind), std=0.1, with_tokenizer=False, vocab_size=96, **TINY, **extra)
         dirs[kind] = str(base / kind)
-        dirs[f"qwen3-{kind}"] = str(export_qwen3(dirs[kind], base / f"qwen3-{kind}"))
+        if kind != "moe-shared":  # Qwen3-MoE has no shared experts
+            dirs[f"qwen3-{kind}"] = str(export_qwen3(dirs[kind], base / f"qwen3-{kind}"))
     return dirs
 
 
@@ -134,7 +147,7 @@ def tp_run(tp_models, tmp_path_factory):
     return [torch.load(f"{out}.rank{rank}") for rank in (0, 1)]
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe", "qwen3-dense", "qwen3-moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "moe-shared", "qwen3-dense", "qwen3-moe"])
 def test_tensor_parallel_matches_one_process(kind, tp_models, tp_run):
     """Two TP ranks give one process's logits, its gradients for the LM loss and its greedy tokens (cached decoding
     with each rank's share of the heads): the column/row split only reorders the sums. Measured: logits (magnitude
@@ -162,6 +175,9 @@ def test_tensor_parallel_matches_one_process(kind, tp_models, tp_run):
                 got["grads"][name], param.grad, atol=1e-5, rtol=0, msg=f"rank {rank}, gradient of {name}"
             )
         assert got["generated"].tolist() == greedy.tolist(), rank
+        for kernel, logits in got["kernels"].items():  # transformers' expert kernels on the sharded experts
+            torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0, msg=f"rank {rank}, {kernel}")
+        assert len(got["kernels"]) == (0 if kind.endswith("dense") else 2)
 
 
 def test_tensor_parallel_plan_shards_all(tp_run, tp_models):
@@ -178,7 +194,7 @@ def test_tensor_parallel_plan_shards_all(tp_run, tp_models):
         "down_proj": (64, 48),
     }
     for rank, result in enumerate(tp_run):
-        for kind in ("dense", "moe"):
+        for kind in ("dense", "moe", "moe-shared"):
             shards = result[tp_models[kind]]["shards"]
             assert shards["model.embed_tokens.weight"] == ("(Shard(dim=0),)", (48, 64))
             for name, (placement, shape) in shards.items():
@@ -189,11 +205,25 @@ def test_tensor_parallel_plan_shards_all(tp_run, tp_models):
                 elif name != "model.embed_tokens.weight":
                     assert placement is None, (rank, name)  # norms, and the MoE router mlp.gate
             experts = [name for name in shards if ".mlp.experts." in name]
-            assert len(experts) == (2 * 4 * 3 if kind == "moe" else 0)
+            assert len(experts) == (0 if kind == "dense" else 2 * 4 * 3)
+            shared = [name for name in shards if ".mlp.shared_experts." in name]
+            assert len(shared) == (2 * 3 if kind == "moe-shared" else 0)
             local = sum(torch.Size(shape).numel() for _, shape in shards.values())
             full = sum(p.numel() for p in load(tp_models[kind]).parameters())
             replicated = sum(torch.Size(shape).numel() for placement, shape in shards.values() if placement is None)
             assert local == (full - replicated) // 2 + replicated, (kind, local, full)
+
+
+def test_tensor_parallel_experts_reduce_once(tp_run, tp_models):
+    """Qwen3-MoE's plan splits every expert's intermediate width and sums the experts' partial outputs once per
+    layer; MiniMind's does the same with its per-expert projections, so one forward all-reduces as often as
+    Qwen3-MoE's (o_proj and experts: 2 per layer; a shared expert's down projection adds one)."""
+    if "moe_tp_experts" not in load(tp_models["moe"]).config.base_model_tp_plan.values():
+        pytest.skip("this transformers has no `local_params` TP style (5.17): each expert's down projection reduces")
+    for rank, result in enumerate(tp_run):
+        assert result[tp_models["qwen3-moe"]]["reductions"] == 2 * 2
+        assert result[tp_models["moe"]]["reductions"] == 2 * 2, rank
+        assert result[tp_models["moe-shared"]]["reductions"] == 2 * 3, rank
 
 
 # --------------------------------------------------------------------------------------------------------------
