@@ -24,11 +24,16 @@ import json
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
+from minimind.errors import InputError
+
 FORMAT = 1  # bump when what a package holds or how it is called changes
+DEFAULT_MAX_GB = 4.0  # a package holds its model's weights: room for a few models' steps (env var overrides)
+STRAY_SECONDS = 24 * 3600  # a half-written file this old belongs to a build that was stopped, not a running one
 _SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
 
 
@@ -41,6 +46,18 @@ def default_cache_dir() -> Path:
         return Path(os.environ["MINIMIND_CACHE"]).expanduser() / "compiled"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "minimind" / "compiled"
+
+
+def default_max_bytes() -> int:
+    """$MINIMIND_COMPILE_CACHE_MAX_GB (a number of GB, 0: keep only the newest entry) or `DEFAULT_MAX_GB`."""
+    value = os.environ.get("MINIMIND_COMPILE_CACHE_MAX_GB", "").strip()
+    try:
+        gigabytes = float(value) if value else DEFAULT_MAX_GB
+    except ValueError:
+        raise InputError(f"MINIMIND_COMPILE_CACHE_MAX_GB={value!r} is not a number of GB; use e.g. 4") from None
+    if gigabytes < 0:
+        raise InputError(f"MINIMIND_COMPILE_CACHE_MAX_GB={value!r} is negative; use e.g. 4, or 0")
+    return int(gigabytes * 1e9)
 
 
 def cpu_features() -> dict:
@@ -138,10 +155,14 @@ def _file_sha256(path: Path) -> str:
 
 class StepPackages:
     """The packages in one directory (`None`: none kept; each step is built into a temporary file and loaded).
-    `loaded` and `built` count what this object did; `discarded` lists (entry, reason) for entries it deleted."""
+    `loaded` and `built` count what this object did; `discarded` lists (entry, reason) for entries it deleted.
 
-    def __init__(self, directory: str | os.PathLike | None):
+    The directory holds at most `max_bytes` (default `default_max_bytes()`): after each build the entries used
+    least recently (loading one counts as a use) are deleted until the rest fit, the new one always kept."""
+
+    def __init__(self, directory: str | os.PathLike | None, max_bytes: int | None = None):
         self.directory = Path(directory) if directory is not None else None
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
         self.loaded = self.built = 0
         self.discarded: list[tuple[str, str]] = []
 
@@ -177,6 +198,10 @@ class StepPackages:
             self._remove(name)
             return None
         self.loaded += 1
+        try:
+            os.utime(meta)  # the entry's last use, which the size limit goes by
+        except OSError:
+            pass
         return runner
 
     def build(self, material: dict, compile_package):
@@ -212,7 +237,33 @@ class StepPackages:
         with os.fdopen(descriptor, "w") as file:
             json.dump(record, file, indent=1, sort_keys=True)
         os.replace(scratch_meta, meta)
+        self._fit(keep=name)
         return torch._inductor.aoti_load_package(str(package))
+
+    def _fit(self, keep: str) -> None:
+        """Deletes the files of builds stopped long ago, then the least recently used entries until the directory
+        holds at most `max_bytes` (`keep`, the entry just built, stays whatever its size)."""
+        now, entries = time.time(), []
+        for path in self.directory.iterdir():
+            try:
+                stat = path.stat()
+                if path.name.startswith(".") or (path.suffix == ".pt2" and not path.with_suffix(".json").exists()):
+                    if now - stat.st_mtime > STRAY_SECONDS:
+                        path.unlink()
+                elif path.suffix == ".json":
+                    package = path.with_suffix(".pt2")
+                    size = stat.st_size + (package.stat().st_size if package.exists() else 0)
+                    entries.append((stat.st_mtime, path.stem, size))
+            except OSError:  # removed meanwhile by another process
+                continue
+        total = sum(size for _, _, size in entries)
+        for _, name, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if name != keep:
+                self._remove(name)
+                self.discarded.append((name, f"the cache is over {self.max_bytes / 1e9:g} GB; least recently used"))
+                total -= size
 
     def _remove(self, name: str) -> None:
         for path in self.paths(name):

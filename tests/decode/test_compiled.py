@@ -423,6 +423,43 @@ def test_stale_or_damaged_entries_are_deleted_not_loaded(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*"))  # no half-written files left
 
 
+def test_cache_keeps_recently_used_entries_within_limit(tmp_path, monkeypatch):
+    """After a build the directory holds at most `max_bytes`: the least recently used entries go first (a load counts
+    as a use), the entry just built stays even alone over the limit, and files of a build stopped over a day ago
+    are deleted while a running build's are not."""
+    import os
+
+    from minimind.decode import packages
+    from minimind.errors import InputError
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda path: open(path, "rb").read())
+    store = packages.StepPackages(tmp_path, max_bytes=2500)
+    write = lambda path: open(path, "wb").write(b"x" * 1000)  # noqa: E731
+    old_stray, new_stray = tmp_path / ".stopped.1.pt2", tmp_path / ".running.2.pt2"
+    old_stray.write_bytes(b"half"), new_stray.write_bytes(b"half")
+    os.utime(old_stray, (0, 0))
+    materials = [{"weights": str(i)} for i in range(4)]
+    for age, material in enumerate(materials[:2]):  # two entries (~2.3 kB with their JSON), the first older
+        store.build(material, write)
+        meta = store.paths(packages.entry_name(material))[1]
+        os.utime(meta, (1000 + age, 1000 + age))
+    assert not old_stray.exists() and new_stray.exists()
+    assert store.load(materials[0]) == b"x" * 1000  # now the most recently used
+    store.build(materials[2], write)  # over the limit: the least recently used goes
+    assert [store.has(m) for m in materials[:3]] == [True, False, True]
+    reason = "the cache is over 2.5e-06 GB; least recently used"
+    assert store.discarded == [(packages.entry_name(materials[1]), reason)]
+    store.max_bytes = 0
+    store.build(materials[3], write)
+    assert [store.has(m) for m in materials] == [False, False, False, True]
+    for value, problem in (("lots", "is not a number of GB"), ("-1", "is negative")):
+        monkeypatch.setenv("MINIMIND_COMPILE_CACHE_MAX_GB", value)
+        with pytest.raises(InputError, match=f"MINIMIND_COMPILE_CACHE_MAX_GB='{value}' {problem}"):
+            packages.StepPackages(tmp_path)
+    monkeypatch.setenv("MINIMIND_COMPILE_CACHE_MAX_GB", "0.5")
+    assert packages.StepPackages(tmp_path).max_bytes == 500_000_000
+
+
 @pytest.mark.slow
 def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
     """The second decoder of the same model loads the package the first one built (no export, no compilation) and
