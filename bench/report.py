@@ -195,7 +195,9 @@ PEER_NOTES = """\
   its greedy completions one after another; tok/s = completion tokens of all clients / wall time, the median
   of the rounds, in which a server's 1- and 8-client rows take turns (ratios within each round). The default
   engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
-  static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row).
+  static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row). The note gives
+  the percentiles (nearest rank) of the requests' latencies over all rounds: to the first streamed token, and to
+  the end of the request.
 """
 
 

@@ -1,6 +1,7 @@
 """The peers table's serve rows: the OpenAI-compatible server on loopback, 1 and 8 clients streaming greedy
 completions, total completion tokens per second."""
 
+import math
 import time
 
 from bench.measure import alternating_rounds
@@ -16,9 +17,9 @@ def serving_missing():
     return ""
 
 
-def _stream_completion(http, prompt, max_tokens):
+def _stream_completion(http, prompt, max_tokens, latencies=None):
     """One streaming greedy completion through `http` (an httpx.Client on the server); the completion tokens the
-    server's usage chunk reports."""
+    server's usage chunk reports. `latencies` (a list) gets (seconds to the first token, seconds to the end)."""
     import json
 
     body = {
@@ -29,13 +30,24 @@ def _stream_completion(http, prompt, max_tokens):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    usage = None
+    usage, start, first = None, time.perf_counter(), None
     with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {"):
-                usage = json.loads(line[len("data: ") :]).get("usage") or usage
+                chunk = json.loads(line[len("data: ") :])
+                if first is None and any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    first = time.perf_counter() - start
+                usage = chunk.get("usage") or usage
+    if latencies is not None:
+        latencies.append((first if first is not None else float("nan"), time.perf_counter() - start))
     return usage["completion_tokens"]
+
+
+def percentiles(values, points=(50, 90, 99)):
+    """The nearest-rank percentiles of `values` (as many as there are requests: no interpolation)."""
+    ordered = sorted(values)
+    return [ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)] for p in points]
 
 
 def measure_serve(workloads, ctx):
@@ -66,16 +78,20 @@ def measure_serve(workloads, ctx):
         # request (its TLS context included) costs time on the cores the server runs on (docs/performance.md).
         https = [httpx.Client(base_url=url, timeout=600) for _ in range(max(map(_clients, workloads)))]
 
-        def client(index):
+        latencies = {row.workload.row_id: [] for row in rows}  # (first token, whole request) of every request
+
+        def client(index, requests):
             return sum(
-                _stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new) for k in range(per_client)
+                _stream_completion(https[index], f"{PEER_PROMPT} ({index}, {k})", new, requests)
+                for k in range(per_client)
             )
 
         def run(row):
             clients = _clients(row.workload)
+            requests = latencies[row.workload.row_id]
             start = time.perf_counter()
             with ThreadPoolExecutor(clients) as pool:
-                tokens = sum(pool.map(client, range(clients)))
+                tokens = sum(pool.map(client, range(clients), [requests] * clients))
             seconds = time.perf_counter() - start
             # Greedy completions may end at eos: the row counts its first round's tokens, and a round that got
             # another number is timed at its own rate.
@@ -89,8 +105,14 @@ def measure_serve(workloads, ctx):
             http.close()
     for row in rows:
         clients = _clients(row.workload)
+        first, whole = zip(*latencies[row.workload.row_id])
         row.note = (
-            f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, --engine {engine}"
+            f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, --engine {engine}; "
+            f"per request over {len(whole)}, p50 / p90 / p99: first token "
+            + " / ".join(f"{s * 1000:.0f}" for s in percentiles(first))
+            + " ms, whole "
+            + " / ".join(f"{s:.2f}" for s in percentiles(whole))
+            + " s"
         )
         ctx.log(f"{row.workload.row_id}: {row.tokens_per_second:.1f} tok/s")
     return rows

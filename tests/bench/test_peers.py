@@ -2,6 +2,7 @@
 MiniMind's generate, padded vs padding-free SFT. Checked with counts and byte totals, never timings."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -331,7 +332,13 @@ def test_serve_rows_count_reported_tokens(peers_run):
                 continue
             asked = clients * 1 * 8  # quick: one request of 8 tokens per client
             assert 0 < row.tokens <= asked and row.note.startswith(f"{row.tokens} of {asked} tokens asked for")
-            assert row.note.endswith("--engine compiled" if suffix == "-compiled" else "--engine paged")
+            engine = "compiled" if suffix == "-compiled" else "paged"
+            # the percentiles of the requests' latencies: to the first token (ms) and to the end (s)
+            assert re.search(
+                rf"--engine {engine}; per request over {clients}, p50 / p90 / p99: first token \d+ / \d+ / \d+ ms, "
+                r"whole \d+\.\d\d / \d+\.\d\d / \d+\.\d\d s$",
+                row.note,
+            ), row.note
         if not serving_missing():
             many, one = (report.row(f"peers-serve-{n}-clients{suffix}") for n in (8, 1))
             assert len(many.seconds) == len(one.seconds) == 1  # quick: one round
@@ -359,8 +366,10 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
         contextlib.contextmanager(lambda app: (started.append(app), (yield "http://127.0.0.1:1"))),
     )
 
-    def completion(http, prompt, max_tokens):
+    def completion(http, prompt, max_tokens, latencies=None):
         completions.append(prompt)
+        if latencies is not None:  # the warm-up passes none
+            latencies.append((0.025 * (len(completions) % 4 + 1), 2.0))  # first token after 25, 50, 75 or 100 ms
         short_round = len(completions) == 1 + 2 + 16 + 1  # the second round's first completion (8 clients)
         return 1 if short_round else max_tokens
 
@@ -388,7 +397,12 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
     assert one.tokens == 2 * 4 and eight.tokens == 8 * 2 * 4 and one.seconds == [1.0, 1.0, 1.0]
     # The 8-client round that got 61 tokens of 64 is timed at its rate: 64 tokens in 64 / 61 s.
     assert eight.seconds == [1.0, 64 / 61, 1.0]
-    assert eight.note == "64 of 64 tokens asked for, streaming, greedy, --engine paged"
+    assert eight.note == (
+        "64 of 64 tokens asked for, streaming, greedy, --engine paged; per request over 48, p50 / p90 / p99: "
+        "first token 50 / 100 / 100 ms, whole 2.00 / 2.00 / 2.00 s"
+    )
+    assert bench.serve.percentiles(range(100, 0, -1)) == [50, 90, 99]
+    assert bench.serve.percentiles([0.3, 0.1, 0.2]) == [0.2, 0.3, 0.3]
     assert paired_ratio(eight, one) == (8.0, 61 / 8, 8.0)
 
 
