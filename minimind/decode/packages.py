@@ -37,6 +37,50 @@ STRAY_SECONDS = 24 * 3600  # a half-written file this old belongs to a build tha
 _SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
 
 
+def load_package(path):
+    """`aoti_load_package`, then the package's own copy of its weights handed back to the system.
+
+    On a CPU the AOTInductor runtime copies the constants out of the package's shared library into memory it owns,
+    once, at load; the library's mapped constants are never read again, yet stay resident (as large as the weights
+    themselves). Its non-executable mappings are paged out (`madvise(MADV_PAGEOUT)`: clean file pages, dropped,
+    read back from the file should anything touch them). Where that is unavailable (not Linux, a kernel before
+    5.4), nothing changes but the memory."""
+    before = _mapped_files()
+    runner = torch._inductor.aoti_load_package(str(path))
+    _page_out([m for m in _mapped_files() - before if "x" not in m[2]])
+    return runner
+
+
+def _mapped_files() -> set[tuple[int, int, str, str]]:
+    """(start, end, permissions, path) of this process' file mappings of shared libraries."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return set()
+    mappings = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].endswith(".so"):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            mappings.add((start, end, fields[1], fields[5]))
+    return mappings
+
+
+def _page_out(mappings) -> None:
+    import ctypes
+
+    if not mappings:
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for start, end, _, _ in mappings:
+        madvise(start, end - start, 21)  # MADV_PAGEOUT; an older kernel's EINVAL changes nothing
+
+
 def default_cache_dir() -> Path:
     """$MINIMIND_COMPILE_CACHE, else $MINIMIND_CACHE/compiled (beside the data cache), else
     $XDG_CACHE_HOME/minimind/compiled (~/.cache/minimind/compiled)."""
@@ -192,7 +236,7 @@ class StepPackages:
                 raise _Invalid("the package is missing or its size differs")
             if _file_sha256(package) != recorded["sha256"]:
                 raise _Invalid("the package's checksum differs")
-            runner = torch._inductor.aoti_load_package(str(package))
+            runner = load_package(package)
         except Exception as error:  # anything unreadable is rebuilt, never used
             self.discarded.append((name, f"{type(error).__name__}: {error}"))
             self._remove(name)
@@ -217,7 +261,7 @@ class StepPackages:
         with tempfile.TemporaryDirectory(prefix="minimind-step-") as scratch:
             path = os.path.join(scratch, "step.pt2")
             compile_package(path)
-            return torch._inductor.aoti_load_package(path)
+            return load_package(path)
 
     def _build_into_directory(self, material, compile_package):
         name = entry_name(material)
@@ -238,7 +282,7 @@ class StepPackages:
             json.dump(record, file, indent=1, sort_keys=True)
         os.replace(scratch_meta, meta)
         self._fit(keep=name)
-        return torch._inductor.aoti_load_package(str(package))
+        return load_package(package)
 
     def _fit(self, keep: str) -> None:
         """Deletes the files of builds stopped long ago, then the least recently used entries until the directory

@@ -2,6 +2,8 @@
 with the same stopping rules; compiled (fp32, one row and a server's rows) as well as eager. Which kernels the
 compiled steps run (each CPU maker's fp32 table, bf16, int8): tests/decode/test_kernels.py."""
 
+import os
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
@@ -458,6 +460,52 @@ def test_cache_keeps_recently_used_entries_within_limit(tmp_path, monkeypatch):
             packages.StepPackages(tmp_path)
     monkeypatch.setenv("MINIMIND_COMPILE_CACHE_MAX_GB", "0.5")
     assert packages.StepPackages(tmp_path).max_bytes == 500_000_000
+
+
+def _resident_kb(path, permissions):
+    """Resident kB of this process' mapping of `path` with `permissions` (from /proc/self/smaps)."""
+    current = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                current = len(fields) == 6 and fields[5] == str(path) and fields[1] == permissions
+            elif current and fields[0] == "Rss:":
+                return int(fields[1])
+    raise AssertionError(f"no {permissions} mapping of {path}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc")
+def test_loading_a_package_pages_out_its_mapped_weights(tmp_path, monkeypatch):
+    """The AOTInductor runtime copies a package's constants out of its library at load, and the library's mapped
+    copy stays resident: `load_package` pages out the non-executable mappings the load added and leaves code
+    mapped. A stand-in library of 32 MiB, its halves mapped as data and as code and read in full by the load."""
+    import mmap
+
+    from minimind.decode import packages
+
+    library = tmp_path / "model.wrapper.so"
+    with open(library, "wb") as file:
+        file.write(os.urandom(32 << 20))
+        file.flush()
+        os.fsync(file.fileno())  # clean pages, as a library's are
+    mappings = []
+
+    def aoti_load_package(path):
+        with open(library, "rb") as file:
+            for offset, protection in ((0, mmap.PROT_READ), (16 << 20, mmap.PROT_READ | mmap.PROT_EXEC)):
+                mappings.append(
+                    mmap.mmap(file.fileno(), 16 << 20, flags=mmap.MAP_PRIVATE, prot=protection, offset=offset)
+                )
+        for mapping in mappings:
+            assert sum(mapping[i] for i in range(0, len(mapping), 4096)) >= 0  # touch every page
+        return "runner"
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", aoti_load_package)
+    assert packages.load_package(tmp_path / "step.pt2") == "runner"
+    assert _resident_kb(library, "r--p") < 1024  # was 16 MiB
+    assert _resident_kb(library, "r-xp") == 16 << 10  # code stays
+    assert mappings[0][12345] == library.read_bytes()[12345]  # read back from the file when touched again
 
 
 @pytest.mark.slow
