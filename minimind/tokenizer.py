@@ -243,7 +243,7 @@ def plan_conversation(
 def encode_planned(tokenizer, plans: list) -> list[ChatEncoding]:
     """The tokenising half of `encode_conversation`, for many planned conversations in one tokenizer call."""
     run_texts = [text for _, segments in plans for _, text, is_marker in segments if not is_marker]
-    encoded = iter(zip(*_tokenize_as_text(tokenizer, run_texts)))
+    encoded = iter(zip(*tokenize_as_text(tokenizer, run_texts)))
     encodings, marker_ids = [], {}
     for pieces, segments in plans:
         input_ids, offsets = [], []
@@ -261,7 +261,7 @@ def encode_planned(tokenizer, plans: list) -> list[ChatEncoding]:
     return encodings
 
 
-def _tokenize_as_text(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+def tokenize_as_text(tokenizer, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     if not texts:
         return [], []
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -13,6 +13,7 @@ Worker processes check and encode chunks of the file (`SFTEncoder`); the rows go
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -30,7 +31,7 @@ from minimind.data.validate import (
     no_rows_error,
     parse_line,
 )
-from minimind.tokenizer import encode_planned, plan_conversation, render_conversation
+from minimind.tokenizer import plan_conversation, render_conversation, tokenize_as_text
 
 logger = logging.getLogger(__name__)
 
@@ -50,23 +51,24 @@ def encode_chat(
     """Tokenise one conversation; labels are -100 except assistant replies (reasoning included) and their
     ``<|im_end|>``.
 
-    Tokenisation is ``minimind.tokenizer.encode_conversation``: special tokens inside message text become
+    Tokenisation is ``minimind.tokenizer.encode_conversation``'s: special tokens inside message text become
     ordinary tokens, as at chat time.  The reply spans are found in the rendered text: rendering the messages
     before an assistant turn with ``add_generation_prompt=True`` gives exactly the text up to the start of its
     reply (the template is prefix-stable), and the reply ends with the next ``<|im_end|>`` token, which can
-    only be the template's.  Tokens are then labelled by their character offsets.  A token counts as part of a
-    reply when it starts inside it; so if a reply begins with a newline that BPE merges with the header's
-    newline, that first newline is not trained (harmless edge case).
+    only be the template's.  A token counts as part of a reply when it starts inside it; so if a reply begins
+    with a newline that BPE merges with the header's newline, that first newline is not trained (harmless edge
+    case).
     """
-    plan = plan_chat(tokenizer, messages, tools)
-    return label_chat(tokenizer, plan, encode_planned(tokenizer, [plan[0]])[0], max_seq_length)
+    (input_ids, targets), *_ = label_chats(tokenizer, [plan_chat(tokenizer, messages, tools)], max_seq_length)
+    labels = [token if trained else IGNORE_INDEX for token, trained in zip(input_ids, targets)]
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": [1] * len(input_ids)}
 
 
 def plan_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None):
-    """What `encode_chat` renders (raises what the chat template raises): the conversation's plan for
-    `minimind.tokenizer.encode_planned`, and where each assistant reply starts in the rendered text."""
-    plan = plan_conversation(tokenizer, messages, tools)
-    text = "".join(piece for piece, _ in plan[0])
+    """What `encode_chat` renders (raises what the chat template raises): the conversation's text segments (see
+    `minimind.tokenizer.plan_conversation`), and where each assistant reply starts in the rendered text."""
+    pieces, segments = plan_conversation(tokenizer, messages, tools)
+    text = "".join(piece for piece, _ in pieces)
     starts = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -75,30 +77,52 @@ def plan_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None):
         if not text.startswith(prefix):
             raise ValueError("the tokenizer's chat template is not prefix-stable; cannot locate assistant replies")
         starts.append(len(prefix))
-    return plan, starts
+    return segments, starts
 
 
-def label_chat(tokenizer, planned, encoding, max_seq_length: int | None = None) -> dict[str, list[int]]:
-    """`encode_chat`'s row from a `plan_chat` result and its encoding."""
-    _, starts = planned
-    input_ids, eos = encoding.input_ids, tokenizer.eos_token_id
-    eos_ends = [hi for token, (lo, hi) in zip(input_ids, encoding.offsets) if token == eos]
-    spans = [(start, min(end for end in eos_ends if end > start)) for start in starts]
-    labels = [
-        token if any(lo <= start < hi for lo, hi in spans) else IGNORE_INDEX
-        for token, (start, _) in zip(input_ids, encoding.offsets)
-    ]
-    if max_seq_length is not None:
-        input_ids, labels = input_ids[:max_seq_length], labels[:max_seq_length]
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": [1] * len(input_ids)}
+def label_chats(tokenizer, plans: list, max_seq_length: int | None = None) -> list[tuple[list[int], bytearray]]:
+    """Each `plan_chat` result's token ids and one flag per token (1: trained), truncated to ``max_seq_length``;
+    one tokenizer call for all of them. Raises ValueError for a reply that no ``<|im_end|>`` closes.
 
-
-def _has_targets(labels: list[int]) -> bool:
-    return any(label != IGNORE_INDEX for label in labels)
-
-
-def _has_targets(labels: list[int]) -> bool:
-    return any(label != IGNORE_INDEX for label in labels)
+    Tokens are labelled run by run (the text between two markers is tokenised on its own): a run inside a reply
+    or outside every reply is labelled whole, and only a run where a reply starts or ends is looked at token by
+    token."""
+    runs = [text for segments, _ in plans for _, text, is_marker in segments if not is_marker]
+    encoded = iter(zip(*tokenize_as_text(tokenizer, runs)))
+    eos, marker_ids, rows = tokenizer.eos_token, {}, []
+    for segments, starts in plans:
+        eos_ends = [start + len(text) for start, text, is_marker in segments if is_marker and text == eos]
+        spans = []
+        for start in starts:
+            ends = [end for end in eos_ends if end > start]
+            if not ends:
+                raise ValueError(f"the assistant reply at character {start} has no closing {eos}")
+            spans.append((start, ends[0]))
+        input_ids, targets = [], bytearray()
+        for start, text, is_marker in segments:
+            if is_marker:
+                if text not in marker_ids:
+                    marker_ids[text] = tokenizer.convert_tokens_to_ids(text)
+                input_ids.append(marker_ids[text])
+                targets.append(any(lo <= start < hi for lo, hi in spans))
+                continue
+            ids, offsets = next(encoded)
+            input_ids += ids
+            end = start + len(text)
+            if any(lo <= start and end <= hi for lo, hi in spans):
+                targets += b"\x01" * len(ids)
+            elif not any(lo < end and start < hi for lo, hi in spans):
+                targets += bytes(len(ids))
+            else:  # a reply starts or ends inside this run: its tokens from the first that starts inside it
+                firsts, flags = [start + a for a, _ in offsets], bytearray(len(ids))
+                for lo, hi in spans:
+                    i, j = bisect_left(firsts, lo), bisect_left(firsts, hi)
+                    flags[i:j] = b"\x01" * (j - i)
+                targets += flags
+        if max_seq_length is not None:
+            input_ids, targets = input_ids[:max_seq_length], targets[:max_seq_length]
+        rows.append((input_ids, targets))
+    return rows
 
 
 @dataclass
@@ -150,26 +174,30 @@ class SFTEncoder:
                 if not self.skip_bad_lines:
                     break
         # One tokenizer call for the whole chunk's chats (each text is still tokenised on its own).
-        encodings = encode_planned(self.tokenizer, [plan[0] for _, plan in planned])
-        examples = []
-        for (lineno, plan), encoding in zip(planned, encodings):
-            try:
-                example = label_chat(self.tokenizer, plan, encoding, self.max_seq_length)
-            except errors as error:
-                bad.append((lineno, "unrenderable", self._unrenderable(lineno, error)))
+        rows = []
+        try:
+            rows = label_chats(self.tokenizer, [plan for _, plan in planned], self.max_seq_length)
+        except ValueError:  # a reply without its closing marker: find which lines, one by one
+            for lineno, plan in planned:
+                try:
+                    rows += label_chats(self.tokenizer, [plan], self.max_seq_length)
+                except ValueError as error:
+                    bad.append((lineno, "unrenderable", self._unrenderable(lineno, error)))
+                    rows.append(None)
+        kept = []
+        for (lineno, _), row in zip(planned, rows):
+            if row is None:
                 continue
             chunk.renderable += 1
-            if _has_targets(example["labels"]):
-                examples.append(example)
+            if any(row[1]):
+                kept.append(row)
             else:
                 chunk.dropped.append(lineno)
         chunk.bad = [(category, message) for _, category, message in sorted(bad)]
-        chunk.lengths = np.fromiter((len(e["input_ids"]) for e in examples), dtype=np.int64, count=len(examples))
+        chunk.lengths = np.fromiter((len(ids) for ids, _ in kept), dtype=np.int64, count=len(kept))
         total = int(chunk.lengths.sum())
-        chunk.ids = np.fromiter(chain.from_iterable(e["input_ids"] for e in examples), self.dtype, count=total)
-        chunk.targets = np.fromiter(
-            (label != IGNORE_INDEX for e in examples for label in e["labels"]), np.uint8, count=total
-        )
+        chunk.ids = np.fromiter(chain.from_iterable(ids for ids, _ in kept), self.dtype, count=total)
+        chunk.targets = np.frombuffer(b"".join(targets for _, targets in kept), dtype=np.uint8).copy()
         return chunk
 
     def _unrenderable(self, lineno: int, error: Exception) -> str:
