@@ -12,8 +12,6 @@ preparing 10-500 MB corpora), report (tables and the results file), __main__ (th
 import torch
 
 from bench.measure import intra_op_threads, resolve_device
-from bench.peers import run_peers
-from bench.qwen3 import run_main
 from bench.workloads import TABLES, BenchmarkSettings, default_workloads, peer_workloads, row_matches
 
 __all__ = ["TABLES", "BenchmarkSettings", "run_benchmark"]
@@ -22,6 +20,11 @@ __all__ = ["TABLES", "BenchmarkSettings", "run_benchmark"]
 def run_benchmark(settings, log=print, on_row=None):
     """Measure every selected row; `on_row(report)` sees the report so far after each row (a run that is cut
     short can still leave its table behind)."""
+    # Imported here, not with the package: the data table's measured processes (`python -m bench.data`) would
+    # otherwise time and weigh the other tables' imports (Qwen3, llama.cpp, the server) along with the command's.
+    from bench.peers import run_peers
+    from bench.qwen3 import run_main
+
     device = resolve_device(settings.device)
     # Quick mode's tiny ops gain nothing from a second CPU thread, and on a shared machine every multi-threaded
     # op can stall on a descheduled worker: one thread keeps the smoke test fast.
