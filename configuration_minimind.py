@@ -84,16 +84,11 @@ _EXPERT_TP_PLAN = {
     "layers.*.mlp.experts.*.down_proj": "local_params",
     "layers.*.mlp.experts": "moe_tp_experts",
 }
-_EXPERT_TP_PLAN_PER_EXPERT_REDUCE = {
-    "layers.*.mlp.experts.*.gate_proj": "colwise",
-    "layers.*.mlp.experts.*.up_proj": "colwise",
-    "layers.*.mlp.experts.*.down_proj": "rowwise",
-}
-_SHARED_EXPERT_TP_PLAN = {
-    "layers.*.mlp.shared_experts.*.gate_proj": "colwise",
-    "layers.*.mlp.shared_experts.*.up_proj": "colwise",
-    "layers.*.mlp.shared_experts.*.down_proj": "rowwise",
-}
+
+
+def _split_mlp_plan(prefix):
+    """One SwiGLU MLP's plan, as Qwen3's for its MLP: gate/up column-wise, down row-wise."""
+    return {f"{prefix}.gate_proj": "colwise", f"{prefix}.up_proj": "colwise", f"{prefix}.down_proj": "rowwise"}
 
 
 def _expert_tp_plan(n_shared_experts):
@@ -103,8 +98,8 @@ def _expert_tp_plan(n_shared_experts):
         has_local_params = "local_params" in ALL_PARALLEL_STYLES
     except ImportError:
         has_local_params = False
-    plan = dict(_EXPERT_TP_PLAN if has_local_params else _EXPERT_TP_PLAN_PER_EXPERT_REDUCE)
-    return {**plan, **(_SHARED_EXPERT_TP_PLAN if n_shared_experts else {})}
+    plan = dict(_EXPERT_TP_PLAN) if has_local_params else _split_mlp_plan("layers.*.mlp.experts.*")
+    return {**plan, **(_split_mlp_plan("layers.*.mlp.shared_experts.*") if n_shared_experts else {})}
 
 
 def _fail(field, problem, fix):
