@@ -41,12 +41,13 @@ class RowCache(Cache):
                 torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(rows, dtype=torch.long, device=device),
             )
-        self.keys, self.values, self.positions = _tensors  # [layers, R, K, L, Dh] twice, [R]
+        # [layers, R, K, L, Dh] twice (or, in a step being exported, a [R, K, L, Dh] tensor per layer), [R]
+        self.keys, self.values, self.positions = _tensors
         super().__init__(layers=[_RowLayer(k, v, self.positions) for k, v in zip(self.keys, self.values)])
 
     @property
     def length(self) -> int:
-        return self.keys.shape[3]
+        return self.keys[0].shape[2]
 
     def first(self, rows: int) -> RowCache:
         return RowCache(
@@ -101,10 +102,15 @@ class RowDecoder(CompiledStep):
         return self._next_logits(tokens, cache.positions, cache)
 
     def _cache_state(self, cache):  # the positions are the step's `position`
-        return [cache.keys, cache.values]
+        # A tensor per layer, as the package's inputs: a step that writes into one [layers, ...] input gets every
+        # layer's write functionalised into a copy of that layer's whole cache, and the copy back, on every step.
+        return [*cache.keys.unbind(0), *cache.values.unbind(0)]
 
     def _cache_over(self, cache, position, state):
-        return RowCache(cache.config, position.shape[0], cache.length, None, None, _tensors=(*state, position))
+        layers = len(state) // 2
+        return RowCache(
+            cache.config, position.shape[0], cache.length, None, None, _tensors=(state[:layers], state[layers:], position)
+        )
 
     def _forward_one(self, token, position, cache):  # token [R, 1], position [R]
         seen = torch.arange(cache.length, device=position.device)[None, :] <= position[:, None]  # [R, L]

@@ -359,6 +359,30 @@ def test_row_cache_views_rows_and_moves_sequences(model):
     assert not torch.equal(cache.keys[:, 1, :, 5:], cache.keys[:, 3, :, 5:])  # only what was written moves
 
 
+def test_row_step_writes_each_layer_into_its_own_input(model):
+    """The row step's package takes a cache tensor per layer, views of the cache's own memory, and writes each in
+    place. Exported over one [layers, ...] tensor, every layer's write became a copy of that tensor and a copy
+    back on every step."""
+    from minimind.decode.compiled import _ExportedStep
+
+    layers = model.config.num_hidden_layers
+    decoder = RowDecoder(model)
+    cache = RowCache(model.config, rows=2, length=16, dtype=torch.float32, device="cpu")
+    inputs = decoder._step_inputs(torch.zeros(2, 1, dtype=torch.long), cache.positions, cache)
+    assert [t.data_ptr() for t in inputs[2:]] == [t.data_ptr() for t in (*cache.keys, *cache.values)]
+    with torch.no_grad(), decoder._step_kernel(), torch._dynamo.config.patch(capture_scalar_outputs=True):
+        program = torch.export.export(_ExportedStep(decoder, cache), (inputs[0], inputs[1], inputs[2:]), strict=False)
+    written = [
+        node.args[0]
+        for node in program.graph.nodes
+        if node.op == "call_function" and node.target == torch.ops.aten.index_put_.default
+    ]
+    assert sorted(node.name for node in written) == [f"state_{i}" for i in range(2 * layers)]  # inputs, not views
+    assert {tuple(node.meta["val"].shape) for node in written} == {
+        (2, model.config.num_key_value_heads, 16, model.config.head_dim)
+    }
+
+
 @pytest.mark.slow
 def test_row_steps_equal_generate(model, monkeypatch):
     """Compiled row steps equal generate, with one package per batch size."""
