@@ -109,7 +109,12 @@ class RowDecoder(CompiledStep):
     def _cache_over(self, cache, position, state):
         layers = len(state) // 2
         return RowCache(
-            cache.config, position.shape[0], cache.length, None, None, _tensors=(state[:layers], state[layers:], position)
+            cache.config,
+            position.shape[0],
+            cache.length,
+            None,
+            None,
+            _tensors=(state[:layers], state[layers:], position),
         )
 
     def _forward_one(self, token, position, cache):  # token [R, 1], position [R]
