@@ -138,14 +138,15 @@ def _memory(process):
         return process.memory_info().rss
 
 
-def run_sampled(command, env):
-    """Run ``command``; return (stdout, wall seconds, peak memory of its process tree in bytes)."""
+def run_sampled(command, env, sample=True):
+    """Run ``command``; return (stdout, wall seconds, peak memory of its process tree in bytes; 0 unsampled).
+    Sampling reads the processes' memory maps, which holds their mapping locks: a timed start runs unsampled."""
     import psutil
 
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     parent, peak = psutil.Process(process.pid), 0
-    while process.poll() is None:
+    while sample and process.poll() is None:
         try:
             tree = [parent, *parent.children(recursive=True)]
             peak = max(peak, sum(_memory(p) for p in tree if p.is_running()))
@@ -177,16 +178,10 @@ def prepare_old(kind, path, directory):
 
 
 def first_step(kind, path, cache, directory):
-    # The first run's writes are flushed first, as they are by the time a user starts a second run, and the run
-    # is not sampled: reading a process' memory map holds its mapping lock, which slows the imports being timed.
-    os.sync()
+    os.sync()  # the first run's writes flushed, as they are by the time a user starts a second run
     command = [sys.executable, "-m", "bench.data", "step", kind, str(path), str(cache), str(directory)]
-    done = subprocess.run(
-        command, env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, cwd=ROOT, check=False
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    out, _, _ = run_sampled(command, {**_env(), "OMP_NUM_THREADS": "1"}, sample=False)
+    result = json.loads(out.strip().splitlines()[-1])
     return result["from_start"], result["from_data"]
 
 

@@ -104,7 +104,7 @@ class RowDecoder(CompiledStep):
     def _cache_state(self, cache):  # the positions are the step's `position`
         # A tensor per layer, as the package's inputs: a step that writes into one [layers, ...] input gets every
         # layer's write functionalised into a copy of that layer's whole cache, and the copy back, on every step.
-        return [*cache.keys.unbind(0), *cache.values.unbind(0)]
+        return [layer.keys for layer in cache.layers] + [layer.values for layer in cache.layers]
 
     def _cache_over(self, cache, position, state):
         layers = len(state) // 2
