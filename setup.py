@@ -64,6 +64,7 @@ setup(
         "mutate": ["mutmut==3.8.1"],  # `make mutate`: mutation testing, not part of `make test`
         # playwright drives the system's chromium (apt install chromium) in the web page's browser test
         # pytest-xdist: `make test` runs the suite in two worker processes (PYTEST_WORKERS)
+        # pytest-timeout: a test that hangs fails alone, named, with every thread's stack (pyproject.toml)
         # ruff: `make test` checks lint and format first; pinned so that every machine formats alike
         # tensorboard: the `--report_to tensorboard` test
         # onnx, onnxscript, onnxruntime: `minimind-export --to onnx` and its test (tests/export/test_onnx.py)
@@ -72,6 +73,7 @@ setup(
             "tensorboard>=2.15",
             "pytest>=8",
             "pytest-xdist>=3.5",
+            "pytest-timeout>=2.3",
             "gguf>=0.19",
             "fastapi>=0.110",
             "uvicorn>=0.29",
