@@ -277,7 +277,12 @@ class PeersReport:
                 if a in measured and b in measured:
                     median, low, high = paired_ratio(measured[a], measured[b])
                     lines.append(f"- decode {a} / {b}: {median:.2f}x (rounds {low:.2f}-{high:.2f})")
-        for suffix in ("", "-bf16", "-compiled"):  # batched serving: all clients' tokens/s against one client's
+        for suffix in (
+            "",
+            "-bf16",
+            "-compiled",
+            "-compiled-bf16",
+        ):  # batched serving: all clients' tokens/s against one client's
             a, b = f"peers-serve-8-clients{suffix}", f"peers-serve-1-clients{suffix}"
             if a in measured and b in measured:
                 median, low, high = paired_ratio(measured[a], measured[b])

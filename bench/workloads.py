@@ -250,7 +250,11 @@ def peer_workloads():
         for n in (1, 8)
     ]
     rows += [
-        PeerWorkload(f"peers-serve-{n}-clients-compiled", "serve", "minimind server compiled", "fp32") for n in (1, 8)
+        PeerWorkload(
+            f"peers-serve-{n}-clients-compiled{'' if w == 'fp32' else '-' + w}", "serve", "minimind server compiled", w
+        )
+        for w in PEER_MINIMIND
+        for n in (1, 8)
     ]
     return rows
 

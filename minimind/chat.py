@@ -20,6 +20,8 @@ from minimind import loading
 from minimind.tokenizer import encode_conversation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What the inference commands' --dtype takes: a precision, or "auto" for the one picked for the device.
+DTYPE_CHOICES = ("auto", *sorted(DTYPES))
 # One reply length and one sampling default for the terminal chat, the web page and the server's requests.
 DEFAULT_MAX_NEW_TOKENS = 512
 CHAT_TEMPERATURE, CHAT_TOP_P = 0.7, 0.9
@@ -35,20 +37,49 @@ def default_device() -> str:
 
 
 def load_model_and_tokenizer(
-    model_name_or_path: str, device: str | None = None, dtype: str = "float32", int8: bool = False
+    model_name_or_path: str,
+    device: str | None = None,
+    dtype: str = "float32",
+    int8: bool = False,
+    announce: Callable[[str], None] | None = None,
 ):
     """The model (eval mode, on `device`) and its tokenizer from one MiniMind directory or Hub id, checked and
-    loaded with the installed classes (`minimind.loading`). `int8`: the decoder layers' weights in int8
-    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32."""
-    directory = loading.model_directory(model_name_or_path)
-    model = loading.load_model(directory, dtype=DTYPES["bfloat16" if int8 and dtype == "float32" else dtype])
-    tokenizer = loading.load_tokenizer(directory)
-    model = model.to(device or default_device()).eval()
-    if int8:
-        from minimind.decode import quantize_weights_int8
+    loaded with the installed classes (`minimind.loading`). `dtype` "auto": the precision picked for the device
+    (`minimind.hardware.pick_dtype`). `int8`: the decoder layers' weights in int8
+    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32 or auto. On a CPU
+    without arithmetic of its own for the 16-bit weights, prompts are multiplied in float32
+    (`minimind.decode.widen_products`). `announce` gets one line saying the precision and the arithmetic."""
+    from minimind.hardware import pick_dtype
 
-        quantize_weights_int8(model)
+    device = device or default_device()
+    why = ""
+    if dtype == "auto":
+        dtype, why = pick_dtype(device)
+    if int8 and dtype == "float32":
+        dtype = "bfloat16"
+    directory = loading.model_directory(model_name_or_path)
+    model = loading.load_model(directory, dtype=DTYPES[dtype])
+    tokenizer = loading.load_tokenizer(directory)
+    model = model.to(device).eval()
+    widened = 0
+    if DTYPES[dtype] != torch.float32:
+        from minimind.decode import quantize_weights_int8, widen_products
+
+        if int8:
+            quantize_weights_int8(model)
+        widened = widen_products(model)
+    if announce is not None:
+        announce(precision_line(dtype, int8, widened, why))
     return model, tokenizer
+
+
+def precision_line(dtype: str, int8: bool, widened: int, why: str = "") -> str:
+    """What `load_model_and_tokenizer` says it loaded: the weights' precision, where prompts are multiplied in
+    float32, and why the precision was picked (`--dtype auto`)."""
+    line = f"precision: {'int8 decoder weights, the rest in ' if int8 else ''}{dtype}"
+    if widened:
+        line += f"; prompts multiplied in float32 (this CPU has no {dtype} arithmetic of its own)"
+    return line + (f" ({why})" if why else "")
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None, **template_kwargs) -> list[int]:

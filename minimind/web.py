@@ -136,7 +136,7 @@ class LoadedModel:
                 # the old model is freed before the new one loads
                 self.model = self.tokenizer = self.decoder = self.name = None
                 self.model, self.tokenizer = load_model_and_tokenizer(
-                    self.choices[name], self.device, self.dtype, self.int8
+                    self.choices[name], self.device, self.dtype, self.int8, announce=_announce
                 )
                 self.decoder = CompiledDecoder(self.model) if self.compile else None
                 if self.decoder is not None:

@@ -10,11 +10,22 @@ from minimind.cli.base import command, make_parser
 
 
 def _add_model_flags(parser):
-    from minimind.chat import DTYPES
-
     parser.add_argument("--model_name_or_path", required=True, help="a model directory (or Hub id) with tokenizer")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    _add_dtype_flag(parser)
+
+
+def _add_dtype_flag(parser):
+    from minimind.chat import DTYPE_CHOICES
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="the weights' precision; auto (default): the fastest for this device, bfloat16 on a CPU (also where "
+        "it has no bfloat16 arithmetic: prompts are then multiplied in float32), and the command says which; "
+        "float32: the checkpoint's own numbers",
+    )
 
 
 COMPILE_NOTICE = (
@@ -97,7 +108,9 @@ def chat(argv=None):
     )
     _add_decode_flags(parser)
     args = parser.parse_args(argv)
-    model, tokenizer = engine.load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype, args.int8)
+    model, tokenizer = engine.load_model_and_tokenizer(
+        args.model_name_or_path, args.device, args.dtype, args.int8, announce=_announce
+    )
     decoder = None
     if args.compile:
         decoder = _compiled_decoder(model, args)
@@ -239,7 +252,7 @@ def serve(argv=None):
         max_batch=args.max_batch,
         max_request_bytes=args.max_request_bytes,
     )
-    model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype)
+    model, tokenizer = load_model_and_tokenizer(args.model_name_or_path, args.device, args.dtype, announce=_announce)
     model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
     try:
         generator = serving.Generator(
@@ -274,7 +287,7 @@ def web(argv=None):
     Visitors choose among the models named here; the page never loads a path typed into it.
     """
     from minimind import web as page
-    from minimind.chat import CHAT_TEMPERATURE, CHAT_TOP_P, DEFAULT_MAX_NEW_TOKENS, DTYPES, SamplingParams
+    from minimind.chat import CHAT_TEMPERATURE, CHAT_TOP_P, DEFAULT_MAX_NEW_TOKENS, SamplingParams
     from minimind.serving import is_loopback_host
 
     parser = make_parser(web.__doc__)
@@ -285,7 +298,7 @@ def web(argv=None):
         help="a MiniMind directory (or Hub id) with tokenizer; repeat it to offer several models",
     )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    _add_dtype_flag(parser)
     parser.add_argument("--system_prompt", default=None)
     parser.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument(

@@ -5,12 +5,14 @@ Every name is importable from here; each lives in the module that does its job:
 - `compiled`: the compiled step (`CompiledStep`: inductor's settings, freezing, one code object per decoder, the
   eager fallback) and `CompiledDecoder`, the chat front ends' `generate`; `CACHE_BUCKET`, `cache_length`.
 - `attention`: `grouped_query_sdpa`, the steps' attention, registered as `GROUPED_QUERY_SDPA`.
-- `fp32_products`: the fp32 product kernel per number of rows and CPU maker (`fp32_product_kernel`,
-  `cpu_vendor`) and the inductor pass that puts it in (`Fp32Products`).
+- `fp32_products`: the fp32 product kernel per number of rows and CPU maker (`fp32_product_kernel`) and the
+  inductor pass that puts it in (`Fp32Products`).
 - `sampling`: the next token, greedy or through transformers' logits warpers (`sampling_warpers`,
   `choose_tokens`).
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).
 - `int8`: weight-only int8 decoder layers (`quantize_weights_int8`).
+- `widened`: float32 arithmetic for prompts over 16-bit weights on a CPU without 16-bit arithmetic
+  (`widen_products`, `WidenedLinear`).
 """
 
 from minimind.decode.attention import GROUPED_QUERY_SDPA, grouped_query_sdpa
@@ -20,28 +22,30 @@ from minimind.decode.fp32_products import (
     INTEL_CPU,
     ONEDNN_MIN_ROWS,
     Fp32Products,
-    cpu_vendor,
     fp32_product_kernel,
 )
 from minimind.decode.int8 import quantize_weights_int8
 from minimind.decode.rows import RowCache, RowDecoder
 from minimind.decode.sampling import choose_tokens, sampling_warpers
+from minimind.decode.widened import WIDEN_MIN_ROWS, WidenedLinear, widen_products
 
 __all__ = [
     "CACHE_BUCKET",
     "GROUPED_QUERY_SDPA",
     "INTEL_CPU",
     "ONEDNN_MIN_ROWS",
+    "WIDEN_MIN_ROWS",
     "CompiledDecoder",
     "CompiledStep",
     "Fp32Products",
     "RowCache",
     "RowDecoder",
+    "WidenedLinear",
     "cache_length",
     "choose_tokens",
-    "cpu_vendor",
     "fp32_product_kernel",
     "grouped_query_sdpa",
     "quantize_weights_int8",
     "sampling_warpers",
+    "widen_products",
 ]

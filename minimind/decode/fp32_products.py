@@ -3,24 +3,12 @@ the CPU's maker (`fp32_product_kernel`), and the inductor pass that puts that ke
 
 from __future__ import annotations
 
-import platform
-
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from minimind.hardware import cpu_vendor
+
 ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's packed kernel
-
-
-def cpu_vendor() -> str:
-    """The CPU's maker as it reports itself ("GenuineIntel", "AuthenticAMD"); "" where it cannot be read."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in platform.processor()), "")
 
 
 # MKL's fast code paths are Intel's own: on an AMD EPYC (Zen 4, AVX-512) its fp32 products read the weights more

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 from transformers.hf_argparser import string_to_bool
+
+from minimind.hardware import cpu_computes_natively
 
 # PEFT LoRA targets by module name. Explicit names, not "all-linear": that would also wrap `mlp.gate`, which in
 # MoE layers is the router. In MoE layers these names also match every expert's projections.
@@ -139,21 +140,11 @@ def hardware_bf16(use_cpu=False):
     return not use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def cpu_native_bf16() -> bool | None:
-    """Whether this CPU computes bfloat16 in hardware (AVX512_BF16 or AMX), read from /proc/cpuinfo; None where that
-    cannot be read."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return None
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 def slow_bf16_warning(training_args) -> str | None:
     """What to tell a user who asks for --bf16 on a CPU that emulates it: every product is converted in software,
     so training runs many times slower than in fp32."""
     on_cpu = training_args.use_cpu or not torch.cuda.is_available()
-    if training_args.bf16 and on_cpu and cpu_native_bf16() is False:
+    if training_args.bf16 and on_cpu and cpu_computes_natively(torch.bfloat16) is False:
         return (
             "--bf16 on a CPU without native bfloat16 (no avx512_bf16 or amx_bf16): training runs many times slower "
             "than in fp32; drop --bf16 to train in fp32"

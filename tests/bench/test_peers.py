@@ -322,17 +322,17 @@ def test_main_run_leaves_the_peers_section(tmp_path, monkeypatch):
 
 def test_serve_rows_count_reported_tokens(peers_run):
     report, text = peers_run
-    for suffix, weights in (("", "fp32"), ("-bf16", "bf16"), ("-compiled", "fp32")):
+    for suffix, weights in (("", "fp32"), ("-bf16", "bf16"), ("-compiled", "fp32"), ("-compiled-bf16", "bf16")):
         for clients in (1, 8):
             row = report.row(f"peers-serve-{clients}-clients{suffix}")
             assert row.workload.weights == weights
-            assert row.workload.engine == "minimind server" + (" compiled" if suffix == "-compiled" else "")
+            assert row.workload.engine == "minimind server" + (" compiled" if "compiled" in suffix else "")
             if serving_missing():
                 assert row.skipped == serving_missing()
                 continue
             asked = clients * 1 * 8  # quick: one request of 8 tokens per client
             assert 0 < row.tokens <= asked and row.note.startswith(f"{row.tokens} of {asked} tokens asked for")
-            engine = "compiled" if suffix == "-compiled" else "paged"
+            engine = "compiled" if "compiled" in suffix else "paged"
             # the percentiles of the requests' latencies: to the first token (ms) and to the end (s)
             assert re.search(
                 rf"--engine {engine}; per request over {clients}, p50 / p90 / p99: first token \d+ / \d+ / \d+ ms, "
@@ -382,7 +382,9 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
         log=lambda line: None,
         server=lambda weights, engine: f"{weights} {engine}",
     )
-    workloads = [w for w in peer_workloads() if w.row_id.startswith("peers-serve-") and w.row_id.endswith("-bf16")]
+    workloads = [
+        w for w in peer_workloads() if w.row_id in ("peers-serve-1-clients-bf16", "peers-serve-8-clients-bf16")
+    ]
     one, eight = bench.serve.measure_serve(workloads, ctx)
     assert started == [("app", "bf16 paged")]  # one server for both rows
     # after one warm-up completion, three rounds: 1 then 8 clients, 8 then 1, 1 then 8; each client asks twice

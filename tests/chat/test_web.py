@@ -415,6 +415,8 @@ def test_browser_streams_and_folds_thinking(chat_model_dir, thinking_model_dir, 
         # model.generate: the page's streaming and folding are what this checks; the compiled decoder's replies
         # equal generate's (tests/decode), and its two builds here would cost minutes on a CPU another worker loads
         "--no-compile",
+        "--dtype",
+        "float32",  # the replies are compared with float32 greedy ones
         "--max_new_tokens",
         str(max_new_tokens),  # temperature 0.7
         "--model_name_or_path",

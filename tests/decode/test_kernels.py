@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_model
-from minimind.decode import CompiledDecoder, compiled, cpu_vendor, fp32_product_kernel, fp32_products
+from minimind.decode import CompiledDecoder, compiled, fp32_product_kernel, fp32_products
+from minimind.hardware import cpu_vendor
 
 
 @pytest.fixture(autouse=True)
@@ -103,25 +104,6 @@ def test_fp32_products_take_fastest_kernel():
     assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
     assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
     assert fp32_products.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
-
-
-def test_cpu_vendor_from_cpuinfo_then_platform(monkeypatch):
-    import io
-
-    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
-    monkeypatch.setattr(fp32_products, "open", lambda path: io.StringIO(cpuinfo), raising=False)
-    assert cpu_vendor() == "AuthenticAMD"
-
-    def no_file(path):
-        raise FileNotFoundError(path)
-
-    monkeypatch.setattr(fp32_products, "open", no_file, raising=False)
-    monkeypatch.setattr(
-        fp32_products.platform, "processor", lambda: "Intel64 Family 6 Model 85 Stepping 7, GenuineIntel"
-    )
-    assert cpu_vendor() == "GenuineIntel"
-    monkeypatch.setattr(fp32_products.platform, "processor", lambda: "arm")
-    assert cpu_vendor() == ""
 
 
 def fp32_products_of_steps(model, monkeypatch, intel, batch):

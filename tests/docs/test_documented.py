@@ -77,7 +77,9 @@ def _run_chat(monkeypatch, capsys, argv, lines, generate_for_real=True, compile_
     monkeypatch.setattr("builtins.input", read_line)
     cli.chat(argv)
     _run_chat.paths = paths
-    return capsys.readouterr().out, calls
+    printed = capsys.readouterr()
+    _run_chat.err = printed.err
+    return printed.out, calls
 
 
 def _sampling(gen_kwargs):
@@ -90,6 +92,8 @@ def _special_ids(gen_kwargs):
 
 
 def test_chat_samples_with_documented_defaults(chat_dir, monkeypatch, capsys):
+    from minimind import hardware
+
     out, calls = _run_chat(monkeypatch, capsys, ["--model_name_or_path", chat_dir], ["Hi"], generate_for_real=False)
     [(model, input_ids, gen_kwargs, _)] = calls
     # --temperature 0.7, --top_p 0.9 and --top_k 0 (no top-k filter) unless chosen; the default 512 new tokens
@@ -98,7 +102,8 @@ def test_chat_samples_with_documented_defaults(chat_dir, monkeypatch, capsys):
     assert room < 512
     assert _sampling(gen_kwargs) == dict(max_new_tokens=room, do_sample=True, temperature=0.7, top_p=0.9, top_k=None)
     assert _special_ids(gen_kwargs) == (0, 2)
-    assert model.dtype == torch.float32 and model.device.type == "cpu" and not model.training
+    assert model.dtype == engine.DTYPES[hardware.pick_dtype("cpu")[0]]  # --dtype auto
+    assert model.device.type == "cpu" and not model.training
     assert out.startswith("MiniMind chat. /reset starts a new conversation, /exit (or Ctrl-D) quits.\n")
     assert _run_chat.paths == ["compiled"]  # the compiled decoder by default
 
@@ -122,6 +127,23 @@ def test_chat_int8_loads_int8_weights_in_bf16(chat_dir, monkeypatch, capsys):
     projections = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert projections and all(w.qdata.dtype == torch.int8 for w in projections)
     assert reply.shape[1] > 0
+
+
+def test_chat_dtype_auto_loads_the_picked_precision_and_says_so(chat_dir, monkeypatch, capsys):
+    """--dtype auto (the default) loads the precision picked for the device and prints which, with the reason;
+    float32 says so too."""
+    from minimind import hardware
+    from minimind.decode import widened
+
+    monkeypatch.setattr(hardware, "pick_dtype", lambda device: ("bfloat16", f"picked for {device}"))
+    monkeypatch.setattr(widened, "cpu_computes_natively", lambda dtype: True)  # tests/decode/test_widened.py
+    argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "2", "--device", "cpu"]
+    _, [(model, _, _, _)] = _run_chat(monkeypatch, capsys, [*argv, "--dtype", "auto"], ["Hi"])
+    assert model.dtype == torch.bfloat16
+    expected = "precision: bfloat16 (picked for cpu)"
+    assert expected in _run_chat.err.splitlines()
+    _, [(model, _, _, _)] = _run_chat(monkeypatch, capsys, [*argv, "--dtype", "float32"], ["Hi"])
+    assert model.dtype == torch.float32 and "precision: float32" in _run_chat.err.splitlines()
 
 
 def test_chat_sampling_flags_reach_generate(chat_dir, monkeypatch, capsys):
@@ -161,6 +183,8 @@ def test_chat_no_do_sample_prints_greedy_replies(chat_dir, monkeypatch, capsys):
         "6",
         "--system_prompt",
         "Answer in one sentence.",
+        "--dtype",
+        "float32",  # the reference's precision
     ]
     out, calls = _run_chat(monkeypatch, capsys, argv, ["Hello", "Who are you?"])
     assert len(calls) == 2

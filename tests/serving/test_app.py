@@ -359,7 +359,7 @@ def test_script_binds_loopback_and_takes_limits(monkeypatch, generator, tmp_path
 
     calls = []
     monkeypatch.setattr(
-        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+        minimind.chat, "load_model_and_tokenizer", lambda *args, **kwargs: (generator.model, generator.tokenizer)
     )
     monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: calls.append((app, host, port)))
     monkeypatch.setenv("MINIMIND_API_KEY", "from-env")
@@ -419,7 +419,7 @@ def test_script_rejects_bad_limits_naming_flag(monkeypatch, generator, tmp_path,
     import minimind.chat
 
     monkeypatch.setattr(
-        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+        minimind.chat, "load_model_and_tokenizer", lambda *args, **kwargs: (generator.model, generator.tokenizer)
     )
     with pytest.raises(SystemExit) as exit_info:
         load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--max_prompt_tokens", "300"])
@@ -493,7 +493,7 @@ def test_script_takes_the_engine(monkeypatch, generator, tmp_path):
 
     calls = []
     monkeypatch.setattr(
-        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+        minimind.chat, "load_model_and_tokenizer", lambda *args, **kwargs: (generator.model, generator.tokenizer)
     )
     monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: calls.append(app))
     monkeypatch.setattr(minimind.serving.CompiledBatchEngine, "warm_up", lambda engine: calls.append(engine) or 0.0)

@@ -507,7 +507,7 @@ def test_serve_warns_open_host_without_key(monkeypatch, generator, tmp_path, cap
     runs = []
     monkeypatch.delenv("MINIMIND_API_KEY", raising=False)
     monkeypatch.setattr(
-        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+        minimind.chat, "load_model_and_tokenizer", lambda *args, **kwargs: (generator.model, generator.tokenizer)
     )
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: runs.append(kwargs))
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), *argv])
@@ -527,7 +527,7 @@ def test_serve_takes_max_request_bytes(monkeypatch, generator, tmp_path):
 
     apps = []
     monkeypatch.setattr(
-        minimind.chat, "load_model_and_tokenizer", lambda *args: (generator.model, generator.tokenizer)
+        minimind.chat, "load_model_and_tokenizer", lambda *args, **kwargs: (generator.model, generator.tokenizer)
     )
     monkeypatch.setattr(minimind.serving, "serve", lambda app, host, port: apps.append(app))
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "m"), "--max_request_bytes", "2048"])

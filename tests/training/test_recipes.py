@@ -661,7 +661,7 @@ def test_bf16_without_cpu_support_warns(bf16, native, warned, monkeypatch, tmp_p
     """bf16 on a CPU without it warns before training."""
     from minimind.training import MiniMindTrainingArguments, arguments, recipes
 
-    monkeypatch.setattr(arguments, "cpu_native_bf16", lambda: native)
+    monkeypatch.setattr(arguments, "cpu_computes_natively", lambda dtype: native)
     training_args = MiniMindTrainingArguments(output_dir=str(tmp_path), use_cpu=True, bf16=bf16)
     recipes.setup_run(training_args)
     lines = [line for line in capsys.readouterr().out.splitlines() if "--bf16" in line]

@@ -1,0 +1,79 @@
+"""What this machine computes natively, read once from the CPU's own report, and the precision the inference
+commands take from it (`--dtype auto`, `pick_dtype`)."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+CPUINFO = Path("/proc/cpuinfo")  # where Linux reports the CPU's maker and features
+
+# The CPU features that give a 16-bit type its own arithmetic (x86 and Arm names as /proc/cpuinfo spells them).
+# Without them PyTorch converts every element of a 16-bit product in software: one-row products (decoding) stay
+# fast because they are bound by the bytes they read, products over many rows (prompts, training) fall far behind
+# float32.
+NATIVE_CPU_FEATURES = {
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16", "asimdhp"}),
+}
+
+
+@functools.cache
+def cpu_features() -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); None where they cannot be read."""
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker as it reports itself ("GenuineIntel", "AuthenticAMD"); "" where it cannot be read."""
+    try:
+        for line in CPUINFO.read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in platform.processor()), "")
+
+
+def cpu_computes_natively(dtype: torch.dtype) -> bool | None:
+    """Whether this CPU has arithmetic of its own for `dtype` (float32 always); None where its features are unknown."""
+    if dtype not in NATIVE_CPU_FEATURES:
+        return True
+    features = cpu_features()
+    return None if features is None else bool(features & NATIVE_CPU_FEATURES[dtype])
+
+
+def native_features(dtype: torch.dtype) -> str:
+    """This CPU's features that compute `dtype` natively, as the one-line reports name them ("" for none)."""
+    return ", ".join(sorted((cpu_features() or frozenset()) & NATIVE_CPU_FEATURES.get(dtype, frozenset())))
+
+
+def pick_dtype(device: str) -> tuple[str, str]:
+    """The precision `--dtype auto` loads a model in on `device`, and why, for the command to say. Decoding reads
+    every weight once per token, so 16-bit weights decode faster than float32 on every CPU measured, with or without
+    16-bit arithmetic (docs/performance.md); where the CPU has none, prompts are multiplied in float32
+    (`minimind.decode.widen_products`). A GPU takes bfloat16 where it computes it, else float16."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bfloat16", "this GPU computes bfloat16"
+        return "float16", "this GPU has no bfloat16"
+    if kind != "cpu":
+        return "float32", f"no 16-bit measurements on {kind}"
+    native = cpu_computes_natively(torch.bfloat16)
+    if native:
+        return "bfloat16", f"this CPU computes bfloat16 natively: {native_features(torch.bfloat16)}"
+    if native is None:
+        return "float32", "this CPU's features could not be read"
+    return "bfloat16", "16-bit weights halve the bytes each decoded token reads"
