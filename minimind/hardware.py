@@ -21,29 +21,33 @@ NATIVE_CPU_FEATURES = {
 }
 
 
-@functools.cache
-def cpu_features() -> frozenset[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); None where they cannot be read."""
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo, by name ({} where it cannot be read)."""
+    fields = {}
     try:
         text = CPUINFO.read_text()
     except OSError:
-        return None
+        return fields
     for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return None
+        key, colon, value = line.partition(":")
+        if colon and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+@functools.cache
+def cpu_features() -> frozenset[str] | None:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); None where they cannot be read."""
+    fields = cpuinfo()
+    flags = fields.get("flags", fields.get("Features"))
+    return None if flags is None else frozenset(flags.split())
 
 
 def cpu_vendor() -> str:
     """The CPU's maker as it reports itself ("GenuineIntel", "AuthenticAMD"); "" where it cannot be read."""
-    try:
-        for line in CPUINFO.read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return next((vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in platform.processor()), "")
+    return cpuinfo().get("vendor_id") or next(
+        (vendor for vendor in ("GenuineIntel", "AuthenticAMD") if vendor in platform.processor()), ""
+    )
 
 
 def cpu_computes_natively(dtype: torch.dtype) -> bool | None:

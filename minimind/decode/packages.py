@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from minimind.errors import InputError
+from minimind.hardware import cpuinfo
 
 FORMAT = 1  # bump when what a package holds or how it is called changes
 DEFAULT_MAX_GB = 4.0  # a package holds its model's weights: room for a few models' steps (env var overrides)
@@ -107,16 +108,10 @@ def default_max_bytes() -> int:
 def cpu_features() -> dict:
     """What the compiled kernels depend on in the CPU: inductor picks its vector ISA from torch's capability level,
     oneDNN and MKL dispatch on the feature flags, and both honour the overrides in the environment."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("vendor_id", "model name", "flags") and key not in info:
-                    info[key] = " ".join(sorted(value.split())) if key == "flags" else value.strip()
-    except OSError:
-        pass
+    fields = cpuinfo()
+    info = {key: fields[key] for key in ("vendor_id", "model name") if key in fields}
+    if "flags" in fields:
+        info["flags"] = " ".join(sorted(fields["flags"].split()))
     return {
         "capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.machine(),
