@@ -29,6 +29,8 @@ def cpuinfo() -> dict[str, str]:
     except OSError:
         return fields
     for line in text.splitlines():
+        if not line.strip() and fields:  # the first processor's block ends here; the others repeat it
+            break
         key, colon, value = line.partition(":")
         if colon and key.strip() not in fields:
             fields[key.strip()] = value.strip()

@@ -20,8 +20,7 @@ class WidenedLinear(torch.nn.Linear):
     and one-row outputs are the plain Linear's. Compiled graphs keep the plain product: they are the decode steps."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = input.numel() // max(input.shape[-1], 1)
-        if rows < WIDEN_MIN_ROWS or torch.compiler.is_compiling():
+        if input.numel() // self.in_features < WIDEN_MIN_ROWS or torch.compiler.is_compiling():
             return super().forward(input)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(input.float(), self.weight.float(), bias).to(input.dtype)
