@@ -168,7 +168,7 @@ class PeerContext:
             model, tokenizer = load_model_and_tokenizer(
                 self.model_dir, "cpu", {"fp32": "float32", "bf16": "bfloat16"}[weights]
             )
-            new = self.sizes["serve_tokens"]
+            new = self.sizes["new_tokens"]
             # The paged engine sizes its KV cache for max_context x sequences: the model's own 32k context would
             # ask for gigabytes; the prompts here need a few hundred positions.
             # quick: the compiled engine's steps run eagerly (its graphs are tested against generate elsewhere)

@@ -192,7 +192,9 @@ PEER_NOTES = """\
   (non-pad) tokens; the first step is left out of the timing. padded-compiled = padded with the model under
   `torch.compile`, as the Trainer's `--torch_compile` runs it (the first step compiles forward and backward).
 - serve: the OpenAI-compatible server on loopback, fp32 or bf16 weights, torch's threads; each client streams
-  its greedy completions one after another; tok/s = completion tokens of all clients / wall time, the median
+  its greedy completions one after another, each as many tokens as a decode row generates, after the decode rows'
+  prompt with the client's and the request's numbers appended, so that one client compares with the compiled
+  decoder row on the same work; tok/s = completion tokens of all clients / wall time, the median
   of the rounds, in which a server's 1- and 8-client rows take turns (ratios within each round). The default
   engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
   static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row). The note gives

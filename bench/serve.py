@@ -59,7 +59,7 @@ def measure_serve(workloads, ctx):
     the one-client row of its round."""
     from concurrent.futures import ThreadPoolExecutor
 
-    new, per_client = ctx.sizes["serve_tokens"], ctx.sizes["serve_requests"]
+    new, per_client = ctx.sizes["new_tokens"], ctx.sizes["serve_requests"]
     rows = [PeerRow(w, shape=f"{_clients(w)} x {per_client} requests (+{new})") for w in workloads]
     missing = serving_missing()
     if missing:

@@ -271,9 +271,5 @@ def peer_sizes(quick):
             num_key_value_heads=2,
             max_position_embeddings=1024,
         )
-        return dict(
-            model=tiny, new_tokens=8, prefill=32, sft_batch=2, sft_steps=2, repeats=1, serve_tokens=8, serve_requests=1
-        )
-    return dict(
-        model={}, new_tokens=128, prefill=512, sft_batch=4, sft_steps=3, repeats=3, serve_tokens=64, serve_requests=2
-    )
+        return dict(model=tiny, new_tokens=8, prefill=32, sft_batch=2, sft_steps=2, repeats=1, serve_requests=1)
+    return dict(model={}, new_tokens=128, prefill=512, sft_batch=4, sft_steps=3, repeats=3, serve_requests=2)

@@ -378,7 +378,7 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
     monkeypatch.setattr(bench.serve.time, "perf_counter", lambda: float(next(clock)))
     ctx = types.SimpleNamespace(
         repeats=3,
-        sizes=dict(serve_tokens=4, serve_requests=2),
+        sizes=dict(new_tokens=4, serve_requests=2),
         log=lambda line: None,
         server=lambda weights, engine: f"{weights} {engine}",
     )
