@@ -15,7 +15,11 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
+
+from minimind.errors import InputError
 
 logger = logging.getLogger(__name__)
 
@@ -115,19 +119,27 @@ def map_chunks(encoder, path: Path, num_proc: int, progress: Progress, chunk_byt
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     with _single_threaded_tokenizers():
-        pool = context.Pool(processes, initializer=_start_worker, initargs=(encoder,))
+        # Not multiprocessing.Pool: a worker killed (by the out-of-memory killer, say) leaves Pool's results waiting
+        # forever, where this executor fails every pending result at once.
+        pool = ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker, initargs=(encoder,))
     try:
         pending = deque()
-        for chunk in read_chunks(path, chunk_bytes):
-            pending.append(pool.apply_async(_encode, (chunk,)))
-            if len(pending) >= 2 * processes:
-                result = pending.popleft().get()
+        try:
+            for chunk in read_chunks(path, chunk_bytes):
+                pending.append(pool.submit(_encode, chunk))
+                if len(pending) >= 2 * processes:
+                    result = pending.popleft().result()
+                    progress.update(result.nbytes)
+                    yield result
+            while pending:
+                result = pending.popleft().result()
                 progress.update(result.nbytes)
                 yield result
-        while pending:
-            result = pending.popleft().get()
-            progress.update(result.nbytes)
-            yield result
+        except BrokenProcessPool as error:
+            raise InputError(
+                f"a process tokenising {path} ended without finishing its chunk (killed by the system, as when it "
+                f"runs out of memory); the pass stops and nothing of it is kept. Fix: free memory or pass a smaller "
+                f"--num_proc (this pass used {processes})"
+            ) from error
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)

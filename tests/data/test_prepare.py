@@ -5,8 +5,11 @@ middle of a parallel run, prepared directories as --data_path, and the prepare c
 
 import json
 import logging
+import multiprocessing
 import os
 import pickle
+import signal
+import types
 
 import numpy as np
 import pytest
@@ -27,6 +30,8 @@ from minimind.data import (
     encode_chat,
     read_jsonl,
 )
+from minimind.data.pipeline import Progress, map_chunks, read_chunks
+from minimind.errors import InputError
 
 SMALL_CHUNKS = dict(chunk_bytes=600)  # a few lines per chunk: many chunks even in a tiny file
 
@@ -192,6 +197,48 @@ def test_bad_line_mid_file_named_or_skipped(tmp_path, tok, caplog, num_proc):
     with caplog.at_level(logging.WARNING, logger="minimind.data"):
         assert build_pretrain_dataset(path, tok, 32, skip_bad_lines=True).from_cache is True
     assert "skipped 3 bad line(s)" in caplog.text  # a cache hit still says what the data lacks
+
+
+class _ChunkSizes:
+    """An encoder for `map_chunks`: a chunk's first line number and its bytes. The process that gets the chunk
+    holding line `kill_at` is killed, as the out-of-memory killer would."""
+
+    def __init__(self, kill_at=None):
+        self.kill_at = kill_at
+
+    def __call__(self, first_line, lines):
+        if self.kill_at is not None and first_line <= self.kill_at < first_line + len(lines):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return types.SimpleNamespace(first_line=first_line, nbytes=sum(map(len, lines)))
+
+
+@pytest.mark.timeout(120)  # a pass that waits forever for a dead process fails here instead of hanging the suite
+def test_killed_process_stops_the_pass_in_one_line(tmp_path):
+    """Two processes hand back the chunks in file order; when one is killed mid pass, the pass ends with an
+    InputError naming the file and the fix, and no process is left behind; so does closing the pass early."""
+    path = write_lines(tmp_path / "big.jsonl", [{"text": t} for t in texts(150)])
+    firsts = [first for first, _ in read_chunks(path, 600)]
+    assert len(firsts) > 8  # several rounds of two chunks in flight per process
+
+    results = list(map_chunks(_ChunkSizes(), path, 2, Progress(path.stat().st_size, "test"), chunk_bytes=600))
+    assert [r.first_line for r in results] == firsts
+    assert sum(r.nbytes for r in results) == path.stat().st_size
+    assert multiprocessing.active_children() == []
+
+    passing = map_chunks(_ChunkSizes(kill_at=firsts[6]), path, 2, Progress(1, "test"), chunk_bytes=600)
+    with pytest.raises(InputError) as raised:
+        list(passing)
+    assert str(raised.value) == (
+        f"a process tokenising {path} ended without finishing its chunk (killed by the system, as when it runs out "
+        "of memory); the pass stops and nothing of it is kept. Fix: free memory or pass a smaller --num_proc (this "
+        "pass used 2)"
+    )
+    assert multiprocessing.active_children() == []
+
+    passing = map_chunks(_ChunkSizes(), path, 2, Progress(1, "test"), chunk_bytes=600)
+    assert next(passing).first_line == 1
+    passing.close()
+    assert multiprocessing.active_children() == []
 
 
 def test_parallel_sft_bad_lines_and_chats(tmp_path, tok, caplog):
