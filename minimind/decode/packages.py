@@ -23,7 +23,9 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,21 +37,48 @@ from minimind.hardware import cpuinfo
 FORMAT = 1  # bump when what a package holds or how it is called changes
 DEFAULT_MAX_GB = 4.0  # a package holds its model's weights: room for a few models' steps (env var overrides)
 STRAY_SECONDS = 24 * 3600  # a half-written file this old belongs to a build that was stopped, not a running one
+_LOADING = threading.Lock()
 _SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
 
 
 def load_package(path):
-    """`aoti_load_package`, then the package's own copy of its weights handed back to the system.
+    """`aoti_load_package`, then the package's own copy of its weights handed back to the system and the files it
+    was unpacked into deleted (`_remove_extracted`).
 
     On a CPU the AOTInductor runtime copies the constants out of the package's shared library into memory it owns,
     once, at load; the library's mapped constants are never read again, yet stay resident (as large as the weights
     themselves). Its non-executable mappings are paged out (`madvise(MADV_PAGEOUT)`: clean file pages, dropped,
     read back from the file should anything touch them). Where that is unavailable (not Linux, a kernel before
-    5.4), nothing changes but the memory."""
-    before = _mapped_files()
-    runner = torch._inductor.aoti_load_package(str(path))
-    _page_out([m for m in _mapped_files() - before if "x" not in m[2]])
+    5.4), nothing changes but the memory. Loads take turns: each tells its own mappings by what it added."""
+    with _LOADING:
+        before = _mapped_files()
+        runner = torch._inductor.aoti_load_package(str(path))
+        added = _mapped_files() - before
+    _page_out([m for m in added if "x" not in m[2]])
+    _remove_extracted({Path(m[3]) for m in added})
     return runner
+
+
+# Kernel files a GPU package's runtime opens when it first launches them, after the load: where any is present the
+# extracted files must stay.
+_LAZILY_READ = (".cubin", ".fatbin", ".ptx", ".hsaco", ".spv")
+
+
+def _remove_extracted(libraries: set[Path]) -> None:
+    """Deletes the directories the runtime extracted `libraries` into.
+
+    The runtime unpacks a package into a fresh `aotinductor_*` directory under the temporary directory at every
+    load and deletes it only when the loaded package is destroyed: a process killed or stopped before then (the
+    out-of-memory killer, SIGKILL) leaves the whole package behind, as large as its weights, at every start. A CPU
+    package has nothing left to read from those files once loaded (the library stays mapped, and Linux keeps a
+    mapped file's pages after its name is gone), so the directory goes at once."""
+    for library in libraries:
+        extracted = next((p for p in library.parents if p.name.startswith("aotinductor_")), None)
+        if extracted is None or not extracted.is_dir():
+            continue
+        if any(file.suffix in _LAZILY_READ for file in extracted.rglob("*")):
+            continue
+        shutil.rmtree(extracted, ignore_errors=True)
 
 
 def _mapped_files() -> set[tuple[int, int, str, str]]:

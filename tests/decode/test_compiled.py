@@ -500,19 +500,27 @@ def _resident_kb(path, permissions):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc")
-def test_loading_a_package_pages_out_its_mapped_weights(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel_file", [None, "kernel.cubin"])
+def test_loading_a_package_pages_out_its_mapped_weights(tmp_path, monkeypatch, kernel_file):
     """The AOTInductor runtime copies a package's constants out of its library at load, and the library's mapped
     copy stays resident: `load_package` pages out the non-executable mappings the load added and leaves code
-    mapped. A stand-in library of 32 MiB, its halves mapped as data and as code and read in full by the load."""
+    mapped. A stand-in library of 32 MiB, its halves mapped as data and as code and read in full by the load, in
+    the directory the runtime unpacks a package into: deleted after the load (a process killed later would leave
+    it behind), unless it holds kernel files a GPU runtime opens later."""
     import mmap
 
     from minimind.decode import packages
 
-    library = tmp_path / "model.wrapper.so"
+    extracted = tmp_path / "aotinductor_Ab12Cd"
+    library = extracted / ".e3b0c442.zw45lua7" / "data" / "aotinductor" / "model" / "model.wrapper.so"
+    library.parent.mkdir(parents=True)
+    content = os.urandom(32 << 20)
     with open(library, "wb") as file:
-        file.write(os.urandom(32 << 20))
+        file.write(content)
         file.flush()
         os.fsync(file.fileno())  # clean pages, as a library's are
+    if kernel_file:
+        (library.parent / kernel_file).write_bytes(b"\0")
     mappings = []
 
     def aoti_load_package(path):
@@ -526,16 +534,32 @@ def test_loading_a_package_pages_out_its_mapped_weights(tmp_path, monkeypatch):
         return "runner"
 
     monkeypatch.setattr(torch._inductor, "aoti_load_package", aoti_load_package)
+    resident = {}
+    real_page_out = packages._page_out
+    monkeypatch.setattr(
+        packages,
+        "_page_out",
+        lambda m: (
+            real_page_out(m),
+            resident.update(data=_resident_kb(library, "r--p"), code=_resident_kb(library, "r-xp")),
+        ),
+    )
     assert packages.load_package(tmp_path / "step.pt2") == "runner"
-    assert _resident_kb(library, "r--p") < 1024  # was 16 MiB
-    assert _resident_kb(library, "r-xp") == 16 << 10  # code stays
-    assert mappings[0][12345] == library.read_bytes()[12345]  # read back from the file when touched again
+    assert resident["data"] < 1024  # was 16 MiB
+    assert resident["code"] == 16 << 10  # code stays
+    assert extracted.exists() == bool(kernel_file)
+    assert mappings[0][12345] == content[12345]  # read back from the file when touched again, its name gone or not
+    assert mappings[1][(16 << 20) - 1] == content[(32 << 20) - 1]
 
 
 @pytest.mark.slow
 def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
     """The second decoder of the same model loads the package the first one built (no export, no compilation) and
-    decodes generate's tokens; a damaged package is built again."""
+    decodes generate's tokens; a damaged package is built again. No load leaves the files the runtime unpacked
+    the package into behind."""
+    scratch = compile_cache.parent / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # where the runtime unpacks packages
     first = CompiledDecoder(model)
     out = first.generate(PROMPT, max_new_tokens=30, **greedy())
     assert torch.equal(out, reference(model, 30, **greedy()))
@@ -557,3 +581,4 @@ def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
     third = CompiledDecoder(model)
     assert torch.equal(third.generate(PROMPT, max_new_tokens=30, **greedy()), out)
     assert (third.packages.built, third.packages.loaded, len(third.packages.discarded)) == (1, 0, 1)
+    assert sorted(path.name for path in scratch.iterdir() if path.name.startswith("aotinductor_")) == []
