@@ -22,17 +22,46 @@ from minimind.serving.paged import BatchEngine
 from minimind.serving.schema import _Sampling
 
 
-class _PieceCollector(TextStreamer):
-    """transformers' incremental detokenizer (it waits for whole words and complete characters), collecting the
-    finished text instead of printing it."""
+class _Detokenizer:
+    """A sequence's text as its tokens arrive: `put(tokens)`, `end()` after the last, `take()` the text finished
+    since the last take.
+
+    tokenizers' `DecodeStream` decodes each token against the few before it and holds back the bytes of a character
+    not yet complete, so a token costs the same however long the reply; transformers' `TextStreamer` re-decodes the
+    reply since its last line break at every token. The latter remains for a tokenizer without a Rust backend or one
+    that cleans up spaces over the whole text, which a token-by-token decoder cannot reproduce."""
 
     def __init__(self, tokenizer):
-        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
         self.pieces: list[str] = []
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._streamer = None
+        if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            from tokenizers.decoders import DecodeStream
 
-    def on_finalized_text(self, text: str, stream_end: bool = False):
-        if text:
-            self.pieces.append(text)
+            self._stream = DecodeStream(skip_special_tokens=True)
+            self._held: list[int] = []  # tokens since the last piece: bytes of a character not yet complete
+        else:
+            self._streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
+            self._streamer.on_finalized_text = lambda text, stream_end=False: text and self.pieces.append(text)
+
+    def put(self, tokens: list[int]) -> None:
+        if self._streamer is not None:
+            self._streamer.put(torch.tensor(tokens))
+            return
+        for token in tokens:
+            if piece := self._stream.step(self._backend, token):
+                self.pieces.append(piece)
+                self._held = []
+            else:
+                self._held.append(token)
+
+    def end(self) -> None:
+        """A reply that ends inside a character ends with what decoding it whole gives there (U+FFFD)."""
+        if self._streamer is not None:
+            self._streamer.end()
+        elif self._held and (rest := self._backend.decode(self._held, skip_special_tokens=True)):
+            self.pieces.append(rest)
+            self._held = []
 
     def take(self) -> str:
         text, self.pieces = "".join(self.pieces), []
@@ -55,7 +84,7 @@ class Sequence:
         request_id = self.engine.submit(
             self.prompt_ids, self.params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output)
         )
-        detokenizer, cutter = _PieceCollector(self.engine.tokenizer), StopStringCutter(self.params.stop)
+        detokenizer, cutter = _Detokenizer(self.engine.tokenizer), StopStringCutter(self.params.stop)
         output = None
         try:
             while True:
@@ -65,7 +94,7 @@ class Sequence:
                 new_tokens = output.generated_tokens[self.completion_tokens :]
                 self.completion_tokens = len(output.generated_tokens)
                 if new_tokens:
-                    detokenizer.put(torch.tensor(new_tokens))
+                    detokenizer.put(new_tokens)
                 if output.is_finished():
                     detokenizer.end()
                 if text := cutter.feed(detokenizer.take()):
