@@ -240,27 +240,18 @@ def profile_table(fn, device, row_limit=15):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _cpuinfo_lines():
-    if not os.path.exists("/proc/cpuinfo"):
-        return []
-    with open("/proc/cpuinfo") as info:
-        return info.readlines()
-
-
 def cpu_flags():
-    """The CPU's feature flags as /proc/cpuinfo lists them (Linux: "flags" on x86, "Features" on Arm; an empty set
-    elsewhere)."""
-    for line in _cpuinfo_lines():
-        if line.startswith(("flags", "Features")):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    """The CPU's feature flags (an empty set where they cannot be read)."""
+    from minimind.hardware import cpu_features
+
+    return set(cpu_features() or ())
 
 
 def amx_int8():
     return "amx_int8" in cpu_flags()
 
 
-def cpu_features(flags):
+def describe_cpu_features(flags):
     """The vector and matrix extensions the kernels choose between, in words."""
     if not flags:
         return "not read (no /proc/cpuinfo)"
@@ -278,14 +269,15 @@ def cpu_features(flags):
 def machine_details():
     """The machine and software a run is on, the same for every table it writes: the results file names it once."""
     cpu = platform.processor() or platform.machine()
-    names = [line.split(":", 1)[1].strip() for line in _cpuinfo_lines() if line.startswith("model name")]
     import transformers
+
+    from minimind.hardware import cpuinfo
 
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
     details = {
-        "cpu": names[0] if names else cpu,
+        "cpu": cpuinfo().get("model name") or cpu,
         "cores": os.cpu_count(),
-        "cpu features": cpu_features(cpu_flags()),
+        "cpu features": describe_cpu_features(cpu_flags()),
     }
     if torch.cuda.is_available():
         details["gpu"] = torch.cuda.get_device_name()

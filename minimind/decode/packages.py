@@ -134,7 +134,7 @@ def default_max_bytes() -> int:
     return int(gigabytes * 1e9)
 
 
-def cpu_features() -> dict:
+def cpu_material() -> dict:
     """What the compiled kernels depend on in the CPU: inductor picks its vector ISA from torch's capability level,
     oneDNN and MKL dispatch on the feature flags, and both honour the overrides in the environment."""
     fields = cpuinfo()
@@ -198,7 +198,7 @@ def entry_material(model, kind: str, inputs, settings: dict, weights: str, code:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "cpu": cpu_features(),
+        "cpu": cpu_material(),
     }
 
 

@@ -12,7 +12,7 @@ import torch
 from bench import run_benchmark
 from bench.__main__ import main as bench_main
 from bench.__main__ import parser as bench_parser
-from bench.measure import cpu_features
+from bench.measure import describe_cpu_features
 from bench.qwen3 import build_pair, matmul_params_per_token
 from bench.report import MAIN_TITLE, TABLE_COLUMNS
 from bench.workloads import BenchmarkSettings, default_workloads, model_shapes, select_workloads
@@ -111,11 +111,11 @@ def test_profile_logs_op_tables_per_row():
 
 def test_cpu_features_name_vector_matrix_extensions():
     xeon = {"fma", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}
-    assert cpu_features(xeon) == "AVX2, AVX-512 (bf16, VNNI), AMX (bf16, int8)"
-    assert cpu_features({"fma", "avx2", "avx512f"}) == "AVX2, AVX-512"
-    assert cpu_features({"fp", "asimd", "sve"}) == "NEON, SVE"
-    assert cpu_features({"sse4_2"}) == "none of AVX2, AVX-512, AMX, NEON, SVE"
-    assert cpu_features(set()) == "not read (no /proc/cpuinfo)"
+    assert describe_cpu_features(xeon) == "AVX2, AVX-512 (bf16, VNNI), AMX (bf16, int8)"
+    assert describe_cpu_features({"fma", "avx2", "avx512f"}) == "AVX2, AVX-512"
+    assert describe_cpu_features({"fp", "asimd", "sve"}) == "NEON, SVE"
+    assert describe_cpu_features({"sse4_2"}) == "none of AVX2, AVX-512, AMX, NEON, SVE"
+    assert describe_cpu_features(set()) == "not read (no /proc/cpuinfo)"
 
 
 def test_documented_bench_commands_parse():

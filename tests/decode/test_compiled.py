@@ -420,7 +420,7 @@ def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch)
     monkeypatch.setattr(torch, "__version__", "0.0.0+other")
     changed["torch"] = material(CompiledDecoder(model))
     monkeypatch.undo()
-    monkeypatch.setattr(packages, "cpu_features", lambda: {"capability": "AVX2", "cpuinfo": {}})
+    monkeypatch.setattr(packages, "cpu_material", lambda: {"capability": "AVX2", "cpuinfo": {}})
     changed["cpu"] = material(CompiledDecoder(model))
     names = {key: packages.entry_name(value) for key, value in changed.items()}
     assert packages.entry_name(base) not in names.values() and len(set(names.values())) == len(names)
