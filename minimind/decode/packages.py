@@ -8,13 +8,13 @@ the whole compiled step, its frozen (prepacked) weights included, as one shared 
 decodes without tracing or compiling anything.
 
 A package is only valid for exactly what it was built from, so its entry is named by a digest of all of it
-(`entry_material`): the weights and buffers themselves, the config, the source of the model and of this package,
-the step's input shapes and strides (batch, cache length), inductor's settings, torch's, transformers' and Python's
-versions, the CPU (torch's capability level, maker, model and feature flags, the ISA overrides torch and oneDNN
-read) and the number of threads (inductor's C++ GEMM template blocks its loops for it). Beside each package a JSON
-file holds that material with the package's size and SHA-256: an entry whose material differs (a digest
-collision, a copied file) or whose package does not match its checksum (a truncated or damaged file) is deleted
-and built again, never loaded.
+(`entry_material`): the weights and buffers themselves, the config (not the directory it was loaded from), the source
+of the model and of this package, the step's input shapes and strides (batch, cache length), inductor's settings,
+torch's, transformers' and Python's versions, the CPU (torch's capability level, maker, model and feature flags, the
+ISA overrides torch and oneDNN read) and the number of threads (inductor's C++ GEMM template blocks its loops for it).
+Beside each package a JSON file holds that material with the package's size and SHA-256: an entry whose material
+differs (a digest collision, a copied file) or whose package does not match its checksum (a truncated or damaged file)
+is deleted and built again, never loaded.
 """
 
 from __future__ import annotations
@@ -154,8 +154,11 @@ def cpu_material() -> dict:
 def weights_digest(model) -> str:
     """SHA-256 of the model's config and of every parameter and buffer (name, dtype, shape, bytes): the frozen step
     holds them as constants, so any change to them, a further training step included, is another entry. Tied
-    weights are read once."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    weights are read once. Where the checkpoint was loaded from (the config's `_name_or_path`) is left out: a copied or
+    moved checkpoint is the same step."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     seen = set()
     for name, tensor in model.state_dict(keep_vars=False).items():
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())

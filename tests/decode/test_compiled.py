@@ -397,7 +397,8 @@ def test_row_steps_equal_generate(model, monkeypatch):
 
 def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch):
     """An entry is named by the weights, dtype, shapes, torch and CPU it was built for: change any and it is another
-    entry (a miss, so a new build), never the old one."""
+    entry (a miss, so a new build), never the old one. A copy of the checkpoint in another directory is the same
+    entry."""
     import copy
 
     from minimind.decode import packages
@@ -408,6 +409,9 @@ def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch)
 
     base = material(CompiledDecoder(model))
     assert material(CompiledDecoder(model)) == base  # the same model, a new decoder: the same entry
+    elsewhere = copy.deepcopy(model)
+    elsewhere.config._name_or_path = "/a/copy/of/the/checkpoint"
+    assert material(CompiledDecoder(elsewhere)) == base  # where the checkpoint lies is not part of the step
     other_weights = copy.deepcopy(model)
     with torch.no_grad():
         other_weights.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
