@@ -55,6 +55,7 @@ class CompiledBatchEngine:
 
     def __init__(self, model, tokenizer, max_context: int, max_batch: int, compile: bool = True):
         self.model, self.tokenizer, self.max_context, self.max_batch = model, tokenizer, max_context, max_batch
+        self.eos_token_id = tokenizer.eos_token_id  # read once: the tokenizer's attribute lookup is not cheap
         self.decoder = RowDecoder(model, compile=compile)
         self.cache = RowCache(model.config, max_batch, max_context, self.decoder.dtype, model.device)
         self.batch_sizes = sorted({min(2**k, max_batch) for k in range(max_batch.bit_length() + 1)})
@@ -185,7 +186,7 @@ class CompiledBatchEngine:
     def _emit(self, index: int, token: int) -> None:
         row = self._rows[index]
         row.generated.append(token)
-        finished = token == self.tokenizer.eos_token_id or len(row.generated) >= row.params.max_new_tokens
+        finished = token == self.eos_token_id or len(row.generated) >= row.params.max_new_tokens
         row.deliver(_RowOutput(row.request_id, list(row.generated), finished))
         if finished:
             self._free(index)

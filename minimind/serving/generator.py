@@ -1,13 +1,17 @@
 """From a request to text: `Generator` (the model, its tokenizer, its name, the limits and the engine), `Sequence`
-(one choice, its text as it is detokenized), `_Job` (one request's choices generating together, under its deadline)
-and `_Tokenizers` (the threads that render and tokenize prompts off the event loop)."""
+(one choice, its text as it is detokenized), `_Deliveries` (outputs from the engine's thread to the event loop),
+`_Job` (one request's choices generating together, under its deadline) and `_Tokenizers` (the threads that render
+and tokenize prompts off the event loop)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
+import math
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -68,6 +72,42 @@ class _Detokenizer:
         return text
 
 
+class _Deliveries:
+    """Hands outputs from an engine's thread to an event loop: one wake-up of the loop carries every output posted
+    since the last, so a step over eight sequences wakes the loop once instead of eight times. One per loop."""
+
+    _of_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: collections.deque = collections.deque()
+        self.scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Deliveries:
+        if (deliveries := cls._of_loop.get(loop)) is None:
+            deliveries = cls._of_loop[loop] = cls(loop)
+        return deliveries
+
+    def post(self, target: asyncio.Queue, item) -> None:
+        """From any thread: `item` goes into `target` on the loop's thread. deque's append and popleft are atomic,
+        and `_drain` clears `scheduled` before it empties the deque, so an item is either taken by a wake-up already
+        scheduled or schedules one."""
+        self.pending.append((target, item))
+        if not self.scheduled:
+            self.scheduled = True
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        self.scheduled = False
+        while self.pending:
+            target, item = self.pending.popleft()
+            target.put_nowait(item)
+
+
+_DEADLINE = object()  # put in a sequence's outputs when its request's time is up
+
+
 class Sequence:
     """One choice being generated: iterate `pieces()` for its text; then `finish_reason` and `completion_tokens`.
 
@@ -78,17 +118,23 @@ class Sequence:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
 
-    async def pieces(self) -> AsyncIterator[str]:
+    async def pieces(self, deadline: float = math.inf) -> AsyncIterator[str]:
+        """The text as it is detokenized; raises TimeoutError once `time.monotonic()` passes `deadline`."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        request_id = self.engine.submit(
-            self.prompt_ids, self.params, lambda output: loop.call_soon_threadsafe(outputs.put_nowait, output)
-        )
+        # One timer for the whole sequence, not a timed wait per token: the loop's work per token is the server's
+        # cost per token, and on a small machine it runs on the cores the model's step uses.
+        deliveries = _Deliveries.of(loop)
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), outputs.put_nowait, _DEADLINE)
+        request_id = self.engine.submit(self.prompt_ids, self.params, lambda output: deliveries.post(outputs, output))
         detokenizer, cutter = _Detokenizer(self.engine.tokenizer), StopStringCutter(self.params.stop)
         output = None
         try:
             while True:
-                output = await outputs.get()
+                item = await outputs.get()
+                if item is _DEADLINE or time.monotonic() >= deadline:
+                    raise TimeoutError
+                output = item
                 if output.error is not None:
                     raise RuntimeError(output.error)
                 new_tokens = output.generated_tokens[self.completion_tokens :]
@@ -110,6 +156,7 @@ class Sequence:
                     self.finish_reason = "length" if ran_out and not ended else "stop"
                     return
         finally:
+            timer.cancel()
             self.engine.release(request_id, cancel=output is None or not output.is_finished())
 
 
@@ -253,11 +300,23 @@ class _Job:
     async def events(self) -> AsyncIterator[tuple[int, str | None]]:
         """(choice index, text piece) as the choices generate together; (index, None) when one has finished.
         Raises the timeout APIError at the deadline; leaving early cancels every unfinished choice."""
+        try:
+            if len(self.sequences) == 1:  # the usual request: its pieces straight through, no task in between
+                async for piece in self.sequences[0].pieces(self.deadline):
+                    yield 0, piece
+                yield 0, None
+            else:
+                async for event in self._interleaved():
+                    yield event
+        except TimeoutError:
+            raise _timed_out(self.generator.limits.request_timeout) from None
+
+    async def _interleaved(self) -> AsyncIterator[tuple[int, str | None]]:
         events: asyncio.Queue = asyncio.Queue()
 
         async def run(index: int, sequence: Sequence):
             try:
-                async for piece in sequence.pieces():
+                async for piece in sequence.pieces(self.deadline):
                     events.put_nowait((index, piece))
                 events.put_nowait((index, None))
             except BaseException as error:  # reported to the consumer, which stops everything
@@ -265,23 +324,16 @@ class _Job:
                 raise
 
         tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(self.sequences)]
-        next_event = None
         try:
             running = len(tasks)
             while running:
-                # Not `asyncio.wait_for`: before Python 3.12 it drops a cancellation that arrives as the awaited
-                # item does, and a cancelled request would keep generating to its end.
-                next_event = asyncio.ensure_future(events.get())
-                await asyncio.wait({next_event}, timeout=max(0.0, self.deadline - time.monotonic()))
-                if not next_event.done():
-                    raise _timed_out(self.generator.limits.request_timeout)
-                index, item = next_event.result()
+                index, item = await events.get()
                 if isinstance(item, BaseException):
                     raise item
                 running -= item is None
                 yield index, item
         finally:
-            for task in [*tasks, *([next_event] if next_event else [])]:
+            for task in tasks:
                 task.cancel()  # closes the sequence's iteration, which cancels it in the engine
             await asyncio.gather(*tasks, return_exceptions=True)
 

@@ -576,10 +576,11 @@ def test_over_max_concurrent_requests_is_429(app, base_url, monkeypatch):
     assert app.state.admission.active == 0  # every request gave its slot back
 
 
-def test_timeout_is_504_and_stops_generating(base_url, generator, monkeypatch):
-    """A request past the timeout is a 504 and stops generating."""
+@pytest.mark.parametrize("n", [1, 2])
+def test_timeout_is_504_and_stops_generating(base_url, generator, monkeypatch, n):
+    """A request past the timeout is a 504 and stops generating: one choice, and several generating together."""
     monkeypatch.setattr(generator.limits, "request_timeout", 0.001)
-    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 100, "temperature": 0}
+    body = {"model": MODEL_ID, "prompt": "Hello", "max_tokens": 100, "temperature": 0, "n": n}
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
     error = response.json()["error"]
     assert (response.status_code, error["type"], error["code"]) == (504, "timeout_error", "request_timeout")
@@ -660,7 +661,7 @@ def test_reasoning_returned_as_reasoning_content(base_url, monkeypatch, pieces):
 
     import minimind.serving
 
-    async def scripted_pieces(self):  # the model's text, cut into pieces where tags split
+    async def scripted_pieces(self, deadline):  # the model's text, cut into pieces where tags split
         for piece in pieces:
             yield piece
         self.finish_reason = "stop"

@@ -1,11 +1,15 @@
 """The server's detokenizer (`minimind.serving.generator._Detokenizer`): the text it streams, token by token, is the
-text of the whole reply decoded at once."""
+text of the whole reply decoded at once. The deliveries from the engine's thread (`_Deliveries`): every output
+arrives, in order, and the outputs posted together wake the event loop once."""
+
+import asyncio
+import threading
 
 import pytest
 from transformers import AutoTokenizer
 
 from conftest import TOKENIZER_DIR
-from minimind.serving.generator import _Detokenizer
+from minimind.serving.generator import _Deliveries, _Detokenizer
 
 TEXT = "你好，世界！ Hello, world. 🙂 Ünïcödé — tabs\tand\nlines<|im_end|> done ,"
 
@@ -57,3 +61,59 @@ def test_a_tokenizer_cleaning_up_spaces_streams_through_the_whole_reply_decoder(
     assert detokenizer._streamer is not None
     text = "".join(stream(detokenizer, ids, 1))
     assert text == cleaning.decode(ids, skip_special_tokens=True)
+
+
+def counting_wakeups(loop):
+    """Counts the loop's thread-safe wake-ups."""
+    wakeups, original = [], loop.call_soon_threadsafe
+
+    def counted(callback, *args, **kwargs):
+        wakeups.append(callback)
+        return original(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counted
+    return wakeups
+
+
+def test_outputs_posted_together_wake_the_loop_once():
+    async def main():
+        loop = asyncio.get_running_loop()
+        deliveries = _Deliveries.of(loop)
+        assert _Deliveries.of(loop) is deliveries  # one per loop
+        wakeups = counting_wakeups(loop)
+        queues = [asyncio.Queue() for _ in range(8)]
+        received = []
+        for step in range(3):  # a step's eight outputs, posted before the loop runs again
+            for index, queue in enumerate(queues):
+                deliveries.post(queue, (step, index))
+            received.append([await queue.get() for queue in queues])
+        return wakeups, received
+
+    wakeups, received = asyncio.run(main())
+    assert len(wakeups) == 3
+    assert received == [[(step, index) for index in range(8)] for step in range(3)]
+
+
+def test_outputs_posted_from_another_thread_all_arrive_in_order():
+    async def main():
+        loop = asyncio.get_running_loop()
+        deliveries = _Deliveries.of(loop)
+        wakeups = counting_wakeups(loop)
+        queues = [asyncio.Queue() for _ in range(4)]
+
+        def engine():
+            for step in range(500):
+                for index, queue in enumerate(queues):
+                    deliveries.post(queue, (step, index))
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        received = [[(await queue.get()) for _ in range(500)] for queue in queues]
+        thread.join()
+        await asyncio.sleep(0)  # a wake-up scheduled after the last output finds nothing left
+        return wakeups, received, [queue.qsize() for queue in queues], len(deliveries.pending)
+
+    wakeups, received, left, pending = asyncio.run(main())
+    assert received == [[(step, index) for step in range(500)] for index in range(4)]
+    assert (left, pending) == ([0] * 4, 0)
+    assert 1 <= len(wakeups) <= 2000
