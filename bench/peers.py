@@ -62,11 +62,8 @@ def matrix_bytes(rows, row_length, weights):
 
 
 def weight_bytes_per_token(config, weights):
-    *layers, head = decode_matrices(config)
-    # MiniMind's int8 path quantizes the decoder layers only: the tied LM head stays bf16.
-    return sum(matrix_bytes(rows, length, weights) for rows, length in layers) + matrix_bytes(
-        *head, "bf16" if weights == "int8" else weights
-    )
+    # MiniMind's int8 path quantizes the LM head as well as the decoder layers, as q8_0 files do.
+    return sum(matrix_bytes(rows, length, weights) for rows, length in decode_matrices(config))
 
 
 # ----------------------------------------------------------------------------------------------------------

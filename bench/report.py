@@ -172,10 +172,10 @@ PEER_NOTES = """\
 - decode: greedy from a fixed prompt, eos ignored, the prompt's prefill included in the time; tok/s counts
   the generated tokens. minimind compiled = `minimind.decode.CompiledDecoder`, the chat command's default
   path; its compilation happens before the timed runs, and its note gives the tokens it shares with plain
-  `generate` at the same precision. int8 = the decoder layers' weights in int8 (torchao, one scale per row),
-  the tied LM head and the activations in bf16 (the chat command's `--int8`). b8 rows: 8 different prompts of the
-  peer prompt's length decoded together (llama.cpp: one llama_decode over the 8 sequences each step).
-  prefill-512: one forward over 512 tokens, tok/s counts them.
+  `generate` at the same precision. int8 = the decoder layers' and the LM head's weights in int8 (torchao, one
+  scale per row), the embedding and the activations in bf16 (the chat command's `--int8`). b8 rows: 8
+  different prompts of the peer prompt's length decoded together (llama.cpp: one llama_decode over the 8
+  sequences each step). prefill-512: one forward over 512 tokens, tok/s counts them.
 - rounds: the decode and prefill rows are built first, then timed in rounds, each running every row once in
   turn (one untimed round first, every other round backwards); tok/s is a row's median over the rounds. A ratio
   line is the median of the ratios within each round, their range in brackets: a host that speeds up or slows
@@ -183,7 +183,7 @@ PEER_NOTES = """\
 - copy bandwidth: the best large torch tensor copy (bytes read + written per second) with the run's threads.
 - weight bytes / token: the bytes of every matrix a decode step reads (decoder projections and the tied LM
   head) in that row's precision, q8_0 as 34 bytes per 32 values, int8 as a byte per value and a float32 scale
-  per row (its LM head bf16); a b8 row reads them once per 8 tokens. Bandwidth floor: the copy bandwidth divided
+  per row; a b8 row reads them once per 8 tokens. Bandwidth floor: the copy bandwidth divided
   by those bytes, the fastest decode memory allows; the share is the row's tok/s against it.
 - greedy tokens: how many leading generated tokens equal MiniMind fp32's, of all generated. Quantized paths
   may part ways early on a random-init model, whose logits lie close together.

@@ -45,9 +45,9 @@ def load_model_and_tokenizer(
 ):
     """The model (eval mode, on `device`) and its tokenizer from one MiniMind directory or Hub id, checked and
     loaded with the installed classes (`minimind.loading`). `dtype` "auto": the precision picked for the device
-    (`minimind.hardware.pick_dtype`). `int8`: the decoder layers' weights in int8
-    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32 or auto. On a CPU
-    without arithmetic of its own for the 16-bit weights, prompts are multiplied in float32
+    (`minimind.hardware.pick_dtype`). `int8`: the decoder layers' and the LM head's weights in int8
+    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32 or auto. On a
+    CPU without arithmetic of its own for the 16-bit weights, prompts are multiplied in float32
     (`minimind.decode.widen_products`). `announce` gets one line saying the precision and the arithmetic."""
     from minimind.hardware import pick_dtype
 

@@ -71,7 +71,7 @@ def _add_decode_flags(parser):
     parser.add_argument(
         "--int8",
         action="store_true",
-        help="weight-only int8 decoder layers (torchao; pip install 'minimind[int8]'), the rest "
+        help="weight-only int8 decoder layers and LM head (torchao; pip install 'minimind[int8]'), the rest "
         "in bfloat16 unless --dtype float16: the fastest CPU decode",
     )
 

@@ -8,10 +8,12 @@ import torch
 
 
 def quantize_weights_int8(model):
-    """Weight-only int8 for every projection of the decoder layers, in place: torchao's `Int8WeightOnlyConfig`
-    (one scale per output row), the 8-bit decode path. Each decode step then reads half the bytes of bf16. The
-    embedding and the tied LM head stay 16-bit. The model must hold 16-bit weights (the activations' dtype), and
-    is for inference from here on: the checkpoint on disk keeps the original weights."""
+    """Weight-only int8 for every projection of the decoder layers and for the LM head, in place: torchao's
+    `Int8WeightOnlyConfig` (one scale per output row), the 8-bit decode path. Each decode step then reads half the
+    bytes of bf16. The embedding stays 16-bit (a decode step reads one of its rows); a head tied to it gets an int8
+    copy of its own, as llama.cpp's q8_0 files quantize the output matrix too. The model must hold 16-bit weights
+    (the activations' dtype), and is for inference from here on: the checkpoint on disk keeps the original
+    weights."""
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
@@ -27,4 +29,5 @@ def quantize_weights_int8(model):
                 f"int8 weights use torchao, which is not installed ({error}): pip install 'minimind[int8]'"
             ) from error
         quantize_(model.model.layers, Int8WeightOnlyConfig())
+        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name == "lm_head")
     return model

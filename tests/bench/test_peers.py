@@ -214,15 +214,14 @@ def test_bandwidth_floor_uses_exact_weight_bytes(peers_run, tmp_path):
     ctx = PeerContext(BenchmarkSettings(quick=True), str(tmp_path), threads=1, log=lambda line: None)
     config = ctx.config
     params = matmul_params_per_token(config) + config.vocab_size * config.hidden_size  # layers + tied LM head
-    head = config.vocab_size * config.hidden_size
-    layer_rows = sum(rows for rows, _ in decode_matrices(config)[:-1])
+    rows = sum(rows for rows, _ in decode_matrices(config))  # the layers' and the LM head's
     expected = {
         "fp32": 4 * params,
         "bf16": 2 * params,
         "f32": 4 * params,
         "f16": 2 * params,
         "q8_0": params // 32 * 34,
-        "int8": (params - head) + 4 * layer_rows + 2 * head,
+        "int8": params + 4 * rows,
     }
     assert params % 32 == 0  # every tiny-model row length is a multiple of 32, so all of q8_0 is blocks
     for weights, count in expected.items():
@@ -239,12 +238,9 @@ def test_bandwidth_floor_uses_exact_weight_bytes(peers_run, tmp_path):
         assert linear + embed.numel() * embed.element_size() == expected[weights]
     if not int8_missing():  # torchao's int8 tensors: a byte per weight and a float32 scale per row
         model = ctx.minimind("int8")
-        layers = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-        stored = sum(
-            w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size() for w in layers
-        )
-        embed = model.model.embed_tokens.weight
-        assert stored + embed.numel() * embed.element_size() == expected["int8"]
+        read = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the layers and the LM head
+        stored = sum(w.qdata.numel() * w.qdata.element_size() + w.scale.numel() * w.scale.element_size() for w in read)
+        assert stored == expected["int8"]
     for outtype in PEER_OUTTYPES:  # the bytes llama.cpp reads are the file's own matrices
         assert gguf_matrix_bytes(ctx.gguf(outtype)) == expected[outtype]
     _, rows = _table(text)

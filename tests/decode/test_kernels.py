@@ -179,20 +179,19 @@ def test_fp32_step_kernels_on_amd(model, monkeypatch):
 
 
 def test_int8_quantizes_every_projection_per_row():
-    """int8 weights quantize every decoder projection per row."""
+    """int8 weights quantize every decoder projection and the LM head per row; the embedding stays 16-bit."""
     pytest.importorskip("torchao")
     from minimind.decode import quantize_weights_int8
 
     model = tiny_model(std=0.3).to(torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
     before = {
-        name: m.weight.detach().float().clone()
-        for name, m in model.model.layers.named_modules()
-        if isinstance(m, torch.nn.Linear)
+        name: m.weight.detach().float().clone() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
     }
     embedding = model.model.embed_tokens.weight.detach().clone()
     quantize_weights_int8(model)
-    assert len(before) == 7 * model.config.num_hidden_layers
-    for name, module in model.model.layers.named_modules():
+    assert len(before) == 7 * model.config.num_hidden_layers + 1
+    for name, module in model.named_modules():
         if name not in before:
             continue
         weight = module.weight
@@ -206,8 +205,8 @@ def test_int8_quantizes_every_projection_per_row():
         torch.testing.assert_close(
             module(x).float(), torch.nn.functional.linear(x.float(), dequantized), atol=0.05, rtol=0.02
         )
-    assert torch.equal(model.model.embed_tokens.weight, embedding)  # embedding and tied head stay 16-bit
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    embed = model.model.embed_tokens.weight
+    assert embed.dtype == torch.bfloat16 and type(embed) is torch.nn.Parameter and torch.equal(embed, embedding)
 
 
 def test_int8_refuses_fp32_and_needs_torchao(monkeypatch):

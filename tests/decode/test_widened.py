@@ -72,8 +72,9 @@ def test_int8_weights_are_left_to_their_kernel(no_16_bit_arithmetic):
     from minimind.decode import quantize_weights_int8
 
     model = quantize_weights_int8(tiny_model().to(torch.bfloat16))
-    assert widen_products(model) == 1  # the LM head only: the decoder layers hold int8 tensors
-    assert type(model.lm_head) is WidenedLinear
+    assert widen_products(model) == 0  # the decoder layers and the LM head hold int8 tensors
+    assert not any(isinstance(module, WidenedLinear) for module in model.modules())
+    assert widen_products(tiny_model().to(torch.bfloat16)) == 7 * model.config.num_hidden_layers + 1
 
 
 def test_widened_model_decodes_as_before(no_16_bit_arithmetic):

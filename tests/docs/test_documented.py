@@ -119,13 +119,14 @@ def test_chat_no_compile_uses_same_generate_args(chat_dir, monkeypatch, capsys):
 
 
 def test_chat_int8_loads_int8_weights_in_bf16(chat_dir, monkeypatch, capsys):
-    """--int8 loads int8 decoder weights in bfloat16."""
+    """--int8 loads int8 decoder weights and LM head, the embedding in bfloat16."""
     pytest.importorskip("torchao")
     argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4", "--int8", "--no-compile"]
     _, [(model, _, _, reply)] = _run_chat(monkeypatch, capsys, argv, ["Hello"])
     assert model.dtype == torch.bfloat16 and model.model.embed_tokens.weight.dtype == torch.bfloat16
-    projections = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    assert projections and all(w.qdata.dtype == torch.int8 for w in projections)
+    projections = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the LM head's too
+    assert len(projections) == 7 * model.config.num_hidden_layers + 1
+    assert all(w.qdata.dtype == torch.int8 for w in projections)
     assert reply.shape[1] > 0
 
 
