@@ -28,6 +28,5 @@ def quantize_weights_int8(model):
             raise ImportError(
                 f"int8 weights use torchao, which is not installed ({error}): pip install 'minimind[int8]'"
             ) from error
-        quantize_(model.model.layers, Int8WeightOnlyConfig())
-        quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name == "lm_head")
+        quantize_(model, Int8WeightOnlyConfig())  # every nn.Linear: the layers' projections and the LM head
     return model
