@@ -173,9 +173,11 @@ PEER_NOTES = """\
   the generated tokens. minimind compiled = `minimind.decode.CompiledDecoder`, the chat command's default
   path; its compilation happens before the timed runs, and its note gives the tokens it shares with plain
   `generate` at the same precision. int8 = the decoder layers' and the LM head's weights in int8 (torchao, one
-  scale per row), the embedding and the activations in bf16 (the chat command's `--int8`). b8 rows: 8
-  different prompts of the peer prompt's length decoded together (llama.cpp: one llama_decode over the 8
-  sequences each step). prefill-512: one forward over 512 tokens, tok/s counts them.
+  scale per row), the embedding and the activations in bf16 (the chat command's `--int8`); a step of several
+  rows quantizes each row's activations to int8 too (one scale per row) and multiplies 8-bit by 8-bit, as
+  q8_0 does at every batch size. b8 rows: 8 different prompts of the peer prompt's length decoded together
+  (llama.cpp: one llama_decode over the 8 sequences each step). prefill-512: one forward over 512 tokens,
+  tok/s counts them.
 - rounds: the decode and prefill rows are built first, then timed in rounds, each running every row once in
   turn (one untimed round first, every other round backwards); tok/s is a row's median over the rounds. A ratio
   line is the median of the ratios within each round, their range in brackets: a host that speeds up or slows

@@ -14,10 +14,12 @@ CPUINFO = Path("/proc/cpuinfo")  # where Linux reports the CPU's maker and featu
 # The CPU features that give a 16-bit type its own arithmetic (x86 and Arm names as /proc/cpuinfo spells them).
 # Without them PyTorch converts every element of a 16-bit product in software: one-row products (decoding) stay
 # fast because they are bound by the bytes they read, products over many rows (prompts, training) fall far behind
-# float32.
+# float32. int8's are the dot products that add 8-bit pairs into 32 bits (VNNI); without them oneDNN adds pairs
+# in 16 bits, where full-range int8 values can overflow.
 NATIVE_CPU_FEATURES = {
     torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
     torch.float16: frozenset({"avx512_fp16", "amx_fp16", "asimdhp"}),
+    torch.int8: frozenset({"avx512_vnni", "avx_vnni", "amx_int8"}),
 }
 
 

@@ -10,7 +10,8 @@ Every name is importable from here; each lives in the module that does its job:
 - `sampling`: the next token, greedy or through transformers' logits warpers (`sampling_warpers`,
   `choose_tokens`).
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).
-- `int8`: weight-only int8 decoder layers (`quantize_weights_int8`).
+- `int8`: int8 decoder layers and LM head (`quantize_weights_int8`), multiplied by int8 activations over several
+  rows (`int8_activation_products`).
 - `widened`: float32 arithmetic for prompts over 16-bit weights on a CPU without 16-bit arithmetic
   (`widen_products`, `WidenedLinear`).
 """
@@ -24,7 +25,7 @@ from minimind.decode.fp32_products import (
     Fp32Products,
     fp32_product_kernel,
 )
-from minimind.decode.int8 import quantize_weights_int8
+from minimind.decode.int8 import int8_activation_products, quantize_weights_int8
 from minimind.decode.rows import RowCache, RowDecoder
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.decode.widened import WIDEN_MIN_ROWS, WidenedLinear, widen_products
@@ -45,6 +46,7 @@ __all__ = [
     "choose_tokens",
     "fp32_product_kernel",
     "grouped_query_sdpa",
+    "int8_activation_products",
     "quantize_weights_int8",
     "sampling_warpers",
     "widen_products",

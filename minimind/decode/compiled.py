@@ -44,6 +44,7 @@ from transformers.cache_utils import Cache
 
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
+from minimind.decode.int8 import int8_activation_products
 from minimind.decode.packages import (
     StepPackages,
     code_digest,
@@ -79,6 +80,7 @@ class CompiledStep:
         if model.training:
             raise ValueError(f"{type(self).__name__} needs a model in eval mode: call model.eval() first")
         self.model = model
+        self.rows_model = int8_activation_products(model)  # None: every step multiplies as `model` does
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent building or loading the step of each new shape
@@ -122,6 +124,11 @@ class CompiledStep:
             "autotune_num_choices_displayed": 0,
             "max_autotune_report_choices_stats": False,
         }
+
+    def model_for(self, batch: int):
+        """The model a step of `batch` rows runs: int8 weights multiply several rows with int8 activations
+        (`int8_activation_products`), one row with 16-bit ones."""
+        return self.rows_model if batch > 1 and self.rows_model is not None else self.model
 
     def _own_step(self):
         """`_forward_one` bound to this decoder through a code object of its own. Dynamo keeps compiled graphs,
@@ -366,7 +373,7 @@ class CompiledDecoder(CompiledStep):
             self._preparing = None
 
     def _forward_one(self, token, position, cache):  # token [B, 1], position [1]
-        out = self.model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
+        out = self.model_for(token.shape[0])(input_ids=token, position_ids=position[None], cache=cache, use_cache=True)
         return out.logits[:, -1]  # [B, V]
 
     def _fresh_cache(self, batch: int, needed: int) -> StaticCache:

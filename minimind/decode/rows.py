@@ -119,7 +119,7 @@ class RowDecoder(CompiledStep):
 
     def _forward_one(self, token, position, cache):  # token [R, 1], position [R]
         seen = torch.arange(cache.length, device=position.device)[None, :] <= position[:, None]  # [R, L]
-        out = self.model(
+        out = self.model_for(token.shape[0])(
             input_ids=token,
             position_ids=position[:, None],
             attention_mask=seen[:, None, None, :],

@@ -228,6 +228,80 @@ def test_int8_refuses_fp32_and_needs_torchao(monkeypatch):
         quantize_weights_int8(tiny_model().to(torch.bfloat16))
 
 
+@pytest.fixture
+def int8_model(monkeypatch):
+    """The tiny model with int8 weights, on a CPU said to have 8-bit dot products."""
+    pytest.importorskip("torchao")
+    from minimind.decode import int8, quantize_weights_int8
+
+    monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: dtype == torch.int8)
+    return quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
+
+
+def test_int8_rows_multiply_int8_activations_over_the_same_weights(int8_model, monkeypatch):
+    """Several rows multiply int8 activations (one symmetric scale per row) by the model's own int8 weights; each
+    row's result is the one it gets alone; a CPU without 8-bit dot products, or plain weights, get no such view."""
+    from minimind.decode import int8, int8_activation_products
+
+    view = int8_activation_products(int8_model)
+    linears = [name for name, m in int8_model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 * int8_model.config.num_hidden_layers + 1
+    for name in linears:
+        weight, products = int8_model.get_submodule(name).weight, view.get_submodule(name).weight
+        assert weight.act_quant_kwargs is None and products.act_quant_kwargs is not None
+        for tensor in ("qdata", "scale"):  # the same memory, no copy
+            assert getattr(products, tensor).data_ptr() == getattr(weight, tensor).data_ptr()
+    assert view.model.embed_tokens.weight is int8_model.model.embed_tokens.weight and view.config is int8_model.config
+
+    # Rows with one large activation each: at 8 bits (a step of max / 127.5) the small ones round to zero, so the
+    # product keeps the large one's column alone, where a 16-bit activation keeps them all.
+    linear, weight = view.model.layers[0].mlp.down_proj, int8_model.model.layers[0].mlp.down_proj.weight
+    x = torch.full((3, weight.shape[1]), 0.25, dtype=torch.bfloat16)
+    x[torch.arange(3), torch.tensor([0, 5, 9])] = torch.tensor([100.0, -90.0, 80.0], dtype=torch.bfloat16)
+    columns = weight.qdata.float() * weight.scale.float().reshape(-1, 1)  # [out, in], dequantized
+    large = x.float().gather(1, torch.tensor([[0], [5], [9]]))  # [3, 1]
+    kept = (large * 127 / 127.5) * columns[:, [0, 5, 9]].T  # the large value on its 8-bit grid, times its column
+    torch.testing.assert_close(linear(x).float(), kept, atol=0.02, rtol=0.01)
+    weight_only = int8_model.model.layers[0].mlp.down_proj(x).float()
+    torch.testing.assert_close(weight_only, x.float() @ columns.T, atol=0.02, rtol=0.01)
+    assert (weight_only - kept).abs().max() > 0.5
+    rows_alone = torch.cat([linear(x[i : i + 1]) for i in range(3)])
+    torch.testing.assert_close(linear(x), rows_alone, atol=0, rtol=0)
+
+    monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
+    assert int8_activation_products(int8_model) is None
+    assert int8_activation_products(tiny_model()) is None
+
+
+def test_int8_steps_of_several_rows_take_int8_activations(int8_model):
+    """A decoder's one-row step runs the weight-only model, a step of several rows the int8-activation view."""
+    decoder = CompiledDecoder(int8_model, compile=False)
+    assert decoder.model_for(1) is int8_model and decoder.model_for(3) is decoder.rows_model is not None
+    for rows, model in ((3, decoder.rows_model), (1, int8_model)):
+        token, position = BATCH[:rows, -1:], torch.tensor([BATCH.shape[1]])
+        with torch.no_grad():
+            cache = decoder._fresh_cache(rows, 16)
+            step = decoder._forward_one(token, position, cache)
+            cache.reset()
+            own = model(input_ids=token, position_ids=position[None], cache=cache, use_cache=True).logits[:, -1]
+            cache.reset()
+            other = (int8_model if model is not int8_model else decoder.rows_model)(
+                input_ids=token, position_ids=position[None], cache=cache, use_cache=True
+            ).logits[:, -1]
+        assert torch.equal(step, own) and not torch.equal(step, other)
+    assert CompiledDecoder(tiny_model(), compile=False).rows_model is None
+
+
+@pytest.mark.slow
+def test_compiled_int8_rows_decode_as_eager_int8_rows(int8_model):
+    """The compiled step over several int8 rows decodes the batch as the eager int8-activation step does."""
+    out = CompiledDecoder(int8_model).generate(BATCH, max_new_tokens=16, **greedy())
+    plain = CompiledDecoder(int8_model, compile=False).generate(BATCH, max_new_tokens=16, **greedy())
+    # a rounding flip of one 8-bit activation (inductor's fused quantization against torchao's eager one) can part
+    # them later on
+    assert torch.equal(out[:, : BATCH.shape[1] + 8], plain[:, : BATCH.shape[1] + 8])
+
+
 @pytest.mark.slow
 def test_compiled_int8_decodes_as_eager_int8():
     pytest.importorskip("torchao")
