@@ -4,6 +4,7 @@ commands take from it (`--dtype auto`, `pick_dtype`)."""
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -47,6 +48,44 @@ def cpu_features() -> frozenset[str] | None:
     return None if flags is None else frozenset(flags.split())
 
 
+# The caps that make PyTorch's own kernels (`ATEN_CPU_CAPABILITY`) or oneDNN's (`ONEDNN_MAX_CPU_ISA`) leave out
+# instructions the CPU has, as on an older CPU: each cap lists the features of NATIVE_CPU_FEATURES it keeps. A product
+# that relies on a feature left out would run without it (8-bit products then add pairs in 16 bits and can overflow).
+_VNNI, _BF16, _FP16, _AMX = {"avx_vnni", "avx512_vnni"}, {"avx512_bf16"}, {"avx512_fp16"}, {"amx_int8", "amx_bf16"}
+CAPPED_FEATURES = _VNNI | _BF16 | _FP16 | _AMX | {"amx_fp16"}  # x86's: Arm's are not capped by these
+ONEDNN_ISA_KEEPS = {
+    "SSE41": set(),
+    "AVX": set(),
+    "AVX2": set(),
+    "AVX2_VNNI": {"avx_vnni"},
+    "AVX2_VNNI_2": {"avx_vnni"},
+    "AVX512_CORE": {"avx_vnni"},
+    "AVX512_CORE_VNNI": _VNNI,
+    "AVX512_CORE_BF16": _VNNI | _BF16,
+    "AVX512_CORE_FP16": _VNNI | _BF16 | _FP16,
+    "AVX10_1_512": _VNNI | _BF16 | _FP16,
+    "AVX512_CORE_AMX": _VNNI | _BF16 | _FP16 | _AMX,
+    "AVX10_1_512_AMX": _VNNI | _BF16 | _FP16 | _AMX,
+}
+ATEN_CAPABILITY_KEEPS = {"default": set(), "avx2": {"avx_vnni"}}
+
+
+def usable_cpu_features() -> frozenset[str] | None:
+    """`cpu_features` less those the environment's caps on PyTorch's and oneDNN's kernels leave out (how a CPU
+    without them is imitated on one that has them); None where the CPU's features cannot be read."""
+    features = cpu_features()
+    if features is None:
+        return None
+    left_out = set()
+    for keeps, cap in (
+        (ONEDNN_ISA_KEEPS, os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "")).upper()),
+        (ATEN_CAPABILITY_KEEPS, os.environ.get("ATEN_CPU_CAPABILITY", "").lower()),
+    ):
+        if cap in keeps:
+            left_out |= CAPPED_FEATURES - keeps[cap]
+    return features - left_out
+
+
 def cpu_vendor() -> str:
     """The CPU's maker as it reports itself ("GenuineIntel", "AuthenticAMD"); "" where it cannot be read."""
     return cpuinfo().get("vendor_id") or next(
@@ -55,16 +94,17 @@ def cpu_vendor() -> str:
 
 
 def cpu_computes_natively(dtype: torch.dtype) -> bool | None:
-    """Whether this CPU has arithmetic of its own for `dtype` (float32 always); None where its features are unknown."""
+    """Whether this CPU has arithmetic of its own for `dtype` (float32 always) that the kernels may use
+    (`usable_cpu_features`); None where its features are unknown."""
     if dtype not in NATIVE_CPU_FEATURES:
         return True
-    features = cpu_features()
+    features = usable_cpu_features()
     return None if features is None else bool(features & NATIVE_CPU_FEATURES[dtype])
 
 
 def native_features(dtype: torch.dtype) -> str:
     """This CPU's features that compute `dtype` natively, as the one-line reports name them ("" for none)."""
-    return ", ".join(sorted((cpu_features() or frozenset()) & NATIVE_CPU_FEATURES.get(dtype, frozenset())))
+    return ", ".join(sorted((usable_cpu_features() or frozenset()) & NATIVE_CPU_FEATURES.get(dtype, frozenset())))
 
 
 def pick_dtype(device: str) -> tuple[str, str]:

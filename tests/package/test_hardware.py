@@ -78,3 +78,31 @@ def test_cpu_vendor_from_cpuinfo_then_platform(cpuinfo, tmp_path, monkeypatch):
     assert hardware.cpu_vendor() == "GenuineIntel"
     monkeypatch.setattr(hardware.platform, "processor", lambda: "arm")
     assert hardware.cpu_vendor() == ""
+
+
+@pytest.mark.parametrize(
+    ("caps", "bf16", "int8"),
+    [
+        ({}, True, True),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False, False),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core_vnni"}, False, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True, True),
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, False, False),
+        ({"ATEN_CPU_CAPABILITY": "avx512"}, True, True),
+    ],
+)
+def test_kernel_caps_leave_out_what_the_cpu_has(cpuinfo, monkeypatch, caps, bf16, int8):
+    """ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY imitate an older CPU: what they leave out is not native."""
+    cpuinfo(ZEN4)
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in caps.items():
+        monkeypatch.setenv(name, value)
+    assert hardware.cpu_computes_natively(torch.bfloat16) is bf16
+    assert hardware.cpu_computes_natively(torch.int8) is int8
+    assert hardware.native_features(torch.bfloat16) == ("avx512_bf16" if bf16 else "")
+    assert hardware.cpu_features() >= {"avx512_bf16", "avx512_vnni"}  # the CPU's own report is unchanged
+    zen4_picks = "this CPU computes bfloat16 natively: avx512_bf16"
+    assert hardware.pick_dtype("cpu")[1] == (
+        zen4_picks if bf16 else "16-bit weights halve the bytes each decoded token reads"
+    )
