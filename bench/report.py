@@ -201,7 +201,8 @@ PEER_NOTES = """\
   engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
   static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row). The note gives
   the percentiles (nearest rank) of the requests' latencies over all rounds: to the first streamed token, and to
-  the end of the request.
+  the end of the request. Each server's engine is stopped after its rows, so that no other engine's thread runs
+  beside the next server's.
 """
 
 

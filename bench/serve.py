@@ -103,6 +103,10 @@ def measure_serve(workloads, ctx):
             run(row)
         for http in https:
             http.close()
+    # The engine's thread keeps its team of OpenMP workers while it lives: left running beside the next server's,
+    # GNU OpenMP would count more threads than cores and stop the workers of both spinning between parallel
+    # regions, slowing every server measured after this one (docs/ecosystem-serve.md).
+    generator.engine.stop()
     for row in rows:
         clients = _clients(row.workload)
         first, whole = zip(*latencies[row.workload.row_id])

@@ -347,15 +347,15 @@ def test_serve_rows_count_reported_tokens(peers_run):
 
 @pytest.mark.skipif(bool(serving_missing()), reason=serving_missing() or "")
 def test_serve_rows_take_turns_on_one_server(monkeypatch):
-    """Serve rows take turns on one server, and a short round keeps its rate."""
+    """Serve rows take turns on one server, stopped after them, and a short round keeps its rate."""
     import contextlib
     import types
 
     import bench.serve
     import minimind.serving
 
-    started, completions = [], []
-    monkeypatch.setattr(minimind.serving, "create_app", lambda generator: ("app", generator))
+    started, completions, stopped = [], [], []
+    monkeypatch.setattr(minimind.serving, "create_app", lambda generator: ("app", generator.name))
     monkeypatch.setattr(
         minimind.serving,
         "serve_in_thread",
@@ -376,13 +376,16 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
         repeats=3,
         sizes=dict(new_tokens=4, serve_requests=2),
         log=lambda line: None,
-        server=lambda weights, engine: f"{weights} {engine}",
+        server=lambda weights, engine: types.SimpleNamespace(
+            name=f"{weights} {engine}", engine=types.SimpleNamespace(stop=lambda: stopped.append(len(completions)))
+        ),
     )
     workloads = [
         w for w in peer_workloads() if w.row_id in ("peers-serve-1-clients-bf16", "peers-serve-8-clients-bf16")
     ]
     one, eight = bench.serve.measure_serve(workloads, ctx)
     assert started == [("app", "bf16 paged")]  # one server for both rows
+    assert stopped == [len(completions)] == [1 + 3 * (2 + 16)]  # its engine's thread ends after every completion
     # after one warm-up completion, three rounds: 1 then 8 clients, 8 then 1, 1 then 8; each client asks twice
     assert completions[0] == PEER_PROMPT
     sizes = [2, 16, 16, 2, 2, 16]
