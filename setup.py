@@ -60,7 +60,7 @@ setup(
         "serve": ["fastapi>=0.110", "uvicorn>=0.29"],
         "eval": ["lm-eval>=0.4.13"],
         "web": ["gradio>=6.0"],
-        "int8": ["torchao>=0.18"],  # weight-only int8 decoding (minimind-chat --int8)
+        "int8": ["torchao>=0.18"],  # int8 decoding (minimind-chat --int8)
         "mutate": ["mutmut==3.8.1"],  # `make mutate`: mutation testing, not part of `make test`
         # playwright drives the system's chromium (apt install chromium) in the web page's browser test
         # pytest-xdist: `make test` runs the suite in two worker processes (PYTEST_WORKERS)

@@ -51,9 +51,12 @@ def int8_activation_products(model):
     them full-range int8 products can overflow)."""
     if all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters()):
         return None  # plain weights: nothing to import torchao for
-    from torchao.quantization import PerRow
-    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor, QuantizeTensorToInt8Kwargs
+    from torchao.quantization import Int8Tensor, PerRow
 
+    try:  # not among torchao's public names: where a later torchao moves it, the rows keep the weight-only product
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
+    except ImportError:
+        return None
     weight_only = [
         name
         for name, module in model.named_modules()

@@ -271,6 +271,9 @@ def test_int8_rows_multiply_int8_activations_over_the_same_weights(int8_model, m
     monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
     assert int8_activation_products(int8_model) is None
     assert int8_activation_products(tiny_model()) is None
+    monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: True)
+    monkeypatch.setitem(__import__("sys").modules, "torchao.quantization.quantize_.workflows.int8.int8_tensor", None)
+    assert int8_activation_products(int8_model) is None  # a torchao without the activations' settings there
 
 
 def test_int8_steps_of_several_rows_take_int8_activations(int8_model):
