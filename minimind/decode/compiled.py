@@ -44,7 +44,7 @@ from transformers.cache_utils import Cache
 
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
-from minimind.decode.int8 import int8_activation_products
+from minimind.decode.int8 import int8_activation_products, plain_weights
 from minimind.decode.packages import (
     StepPackages,
     code_digest,
@@ -320,7 +320,7 @@ class _ExportedStep(torch.nn.Module):
 
 def _exportable(model) -> bool:
     """Plain tensors only: torchao's int8 weights are tensor subclasses, which the package would have to unwrap."""
-    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+    return plain_weights(model)
 
 
 def _cache_positions(inputs) -> int:

@@ -38,6 +38,11 @@ def quantize_weights_int8(model):
     return model
 
 
+def plain_weights(model) -> bool:
+    """Whether every parameter of `model` is a plain tensor: torchao's int8 weights are tensor subclasses."""
+    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+
+
 def int8_activation_products(model):
     """`model` with every int8 weight of `quantize_weights_int8` multiplied by int8 activations: each call quantizes
     its input to int8 with one scale per row (per token, symmetric) and multiplies in integer arithmetic, as
@@ -49,8 +54,8 @@ def int8_activation_products(model):
     depend on the rows beside it.
     None where the model holds no such weights, or the CPU has no 8-bit dot products (`minimind.hardware`: without
     them full-range int8 products can overflow)."""
-    if all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters()):
-        return None  # plain weights: nothing to import torchao for
+    if plain_weights(model):
+        return None  # nothing to import torchao for
     from torchao.quantization import Int8Tensor, PerRow
 
     try:  # not among torchao's public names: where a later torchao moves it, the rows keep the weight-only product
