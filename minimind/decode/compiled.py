@@ -46,6 +46,7 @@ from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
 from minimind.decode.int8 import int8_activation_products, plain_weights
 from minimind.decode.packages import (
+    WEIGHTS_APART,
     StepPackages,
     code_digest,
     default_cache_dir,
@@ -269,7 +270,9 @@ class CompiledStep:
         started = time.perf_counter()
         batch = token.shape[0]
         material = self._material(inputs, batch)
-        run = self.packages.load(material)
+        # the package's names for the tensors the step holds unchanged (see `_ExportedStep`)
+        own = {f"model.{name}": tensor.detach() for name, tensor in _named_tensors(self.model)}
+        run = self.packages.load(material, own)
         if run is not None:
             self._say(
                 f"reusing the compiled decode step from {self.packages.directory} "
@@ -281,13 +284,18 @@ class CompiledStep:
                 f"compiling the decode step for {batch} row(s) x {_cache_positions(inputs)} cache positions "
                 f"(about a minute on a CPU, once per model and shape; {where}) ..."
             )
-            run = self.packages.build(material, lambda path: self._compile_package(inputs, cache, batch, path))
+            run = self.packages.build(material, lambda path: self._compile_package(inputs, cache, batch, path), own)
             self._say(f"compiled in {time.perf_counter() - started:.0f} s")
         self.compile_seconds += time.perf_counter() - started
         self._packaged[signature] = run
         return run
 
     def _compile_package(self, inputs, cache, batch, path):
+        """Exports the step and builds its package at `path`. A one-row step keeps its weights apart from its
+        library (`WEIGHTS_APART`), which a later start loads without a second copy of them. oneDNN's packed weights,
+        which fp32 steps of several rows multiply by, are opaque tensors that only the library can hold, so those
+        steps keep their weights inside, and a one-row step that cannot be built apart (its kernels turned out to
+        need opaque weights) is built again with them inside."""
         step = _ExportedStep(self, cache)
         settings = self.inductor_settings(batch)
         settings.pop("cpp_wrapper")  # AOTInductor's wrapper is C++ anyway
@@ -298,6 +306,13 @@ class CompiledStep:
             torch._inductor.config.patch(settings),
         ):
             program = torch.export.export(step, (inputs[0], inputs[1], inputs[2:]), strict=False)
+            if batch == 1:
+                try:
+                    with torch._inductor.config.patch(WEIGHTS_APART):
+                        torch._inductor.aoti_compile_and_package(program, package_path=path)
+                    return
+                except Exception:  # an opaque weight, or AOTInductor's own failure to write them apart
+                    pass
             torch._inductor.aoti_compile_and_package(program, package_path=path)
 
     def _say(self, line: str) -> None:
@@ -321,6 +336,12 @@ class _ExportedStep(torch.nn.Module):
 def _exportable(model) -> bool:
     """Plain tensors only: torchao's int8 weights are tensor subclasses, which the package would have to unwrap."""
     return plain_weights(model)
+
+
+def _named_tensors(model):
+    """Every parameter and buffer under each of its names (a tied weight under both)."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
 
 
 def _cache_positions(inputs) -> int:

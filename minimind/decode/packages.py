@@ -4,8 +4,10 @@ as torchchat ships its models), one file per step, in a cache directory (`defaul
 Why AOTInductor and not inductor's own caches: a frozen step's graph holds oneDNN-packed weights, which inductor's
 FX-graph cache cannot pickle, and its C++ wrapper names each constant by an identity hash that changes between
 processes, so with `torch.compile` every start traces, lowers and builds the step again. An AOTInductor package is
-the whole compiled step, its frozen (prepacked) weights included, as one shared library: a later start loads it and
-decodes without tracing or compiling anything.
+the whole compiled step, its frozen (prepacked) weights included: a later start loads it and decodes without tracing
+or compiling anything. A one-row step (the chat commands') keeps its weights as files beside its shared library
+(`WEIGHTS_APART`), read once into the memory the step runs from; inside the library, the runtime copies them out at
+every load, and for a while both copies are resident (`load_package`).
 
 A package is only valid for exactly what it was built from, so its entry is named by a digest of all of it
 (`entry_material`): the weights and buffers themselves, the config (not the directory it was loaded from), the source
@@ -27,6 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -34,29 +37,80 @@ import torch
 from minimind.errors import InputError
 from minimind.hardware import cpuinfo
 
-FORMAT = 1  # bump when what a package holds or how it is called changes
+FORMAT = 2  # bump when what a package holds or how it is called changes
 DEFAULT_MAX_GB = 4.0  # a package holds its model's weights: room for a few models' steps (env var overrides)
 STRAY_SECONDS = 24 * 3600  # a half-written file this old belongs to a build that was stopped, not a running one
 _LOADING = threading.Lock()
 _SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
 
 
-def load_package(path):
-    """`aoti_load_package`, then the package's own copy of its weights handed back to the system and the files it
-    was unpacked into deleted (`_remove_extracted`).
+# AOTInductor's settings for a package whose weights are files of their own in the archive (torch.save'd, listed in
+# weights_config.json) instead of data inside its shared library. Only plain tensors can be written so.
+WEIGHTS_APART = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+}
 
-    On a CPU the AOTInductor runtime copies the constants out of the package's shared library into memory it owns,
-    once, at load; the library's mapped constants are never read again, yet stay resident (as large as the weights
-    themselves). Its non-executable mappings are paged out (`madvise(MADV_PAGEOUT)`: clean file pages, dropped,
-    read back from the file should anything touch them). Where that is unavailable (not Linux, a kernel before
-    5.4), nothing changes but the memory. Loads take turns: each tells its own mappings by what it added."""
+
+def load_package(path, own: dict[str, torch.Tensor] | None = None):
+    """The package's runner, its weights in memory once, and the files it was unpacked into deleted
+    (`_remove_extracted`).
+
+    Weights apart from the library (`WEIGHTS_APART`) are handed to the runtime, which uses them without copying:
+    those the step took over unchanged from the model (the embedding, the norms) as the tensors in `own` (by the
+    package's names for them: "model." and the state-dict name), the others read one by one from the archive.
+    Weights inside the library are copied by the runtime out of the library's mapping into memory it owns; the
+    mapped copy is never read again, yet stays resident (as large as the weights themselves), so the
+    non-executable mappings the load added are paged out (`madvise(MADV_PAGEOUT)`: clean file pages, dropped, read
+    back from the file should anything touch them). Where that is unavailable (not Linux, a kernel before 5.4),
+    nothing changes but the memory. Loads take turns: each tells its own mappings by what it added."""
     with _LOADING:
         before = _mapped_files()
         runner = torch._inductor.aoti_load_package(str(path))
+        weights = _weights_apart(path, own or {})
+        if weights:
+            runner.load_constants(weights, check_full_update=True, user_managed=True)
+            del weights
+            _trim_heap()  # the archive's read buffers, freed into the heap, go back to the system
         added = _mapped_files() - before
     _page_out([m for m in added if "x" not in m[2]])
     _remove_extracted({Path(m[3]) for m in added})
     return runner
+
+
+def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The package's weights kept apart from its library ({} when they are inside it), by the names the runtime
+    knows them by: the tensor in `own` where it has the recorded shape and strides, else the archive's."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile):
+        return {}
+    with archive:
+        config = next((name for name in archive.namelist() if name.endswith("/weights_config.json")), None)
+        if config is None:
+            return {}
+        folder = config.split("/data/aotinductor/")[0] + "/data/weights/"
+        files: dict[str, torch.Tensor] = {}
+        weights = {}
+        for name, (file, shape, stride, offset) in json.loads(archive.read(config)).items():
+            tensor = own.get(name)
+            if tensor is not None and (list(tensor.shape), list(tensor.stride())) == (shape, stride):
+                weights[name] = tensor
+                continue
+            if file not in files:
+                with archive.open(folder + file) as member:
+                    files[file] = torch.load(member, weights_only=True)
+            weights[name] = files[file].as_strided(shape, stride, offset)
+    return weights
+
+
+def _trim_heap() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 # Kernel files a GPU package's runtime opens when it first launches them, after the load: where any is present the
@@ -247,8 +301,9 @@ class StepPackages:
         package, meta = self.paths(entry_name(material))
         return package.exists() and meta.exists()
 
-    def load(self, material: dict):
-        """The loaded package for `material`, or None when there is none; a stale or damaged entry is deleted."""
+    def load(self, material: dict, own: dict[str, torch.Tensor] | None = None):
+        """The loaded package for `material` (`own`: as `load_package` takes it), or None when there is none; a stale
+        or damaged entry is deleted."""
         if self.directory is None:
             return None
         name = entry_name(material)
@@ -263,7 +318,7 @@ class StepPackages:
                 raise _Invalid("the package is missing or its size differs")
             if _file_sha256(package) != recorded["sha256"]:
                 raise _Invalid("the package's checksum differs")
-            runner = load_package(package)
+            runner = load_package(package, own)
         except Exception as error:  # anything unreadable is rebuilt, never used
             self.discarded.append((name, f"{type(error).__name__}: {error}"))
             self._remove(name)
@@ -275,22 +330,22 @@ class StepPackages:
             pass
         return runner
 
-    def build(self, material: dict, compile_package):
+    def build(self, material: dict, compile_package, own: dict[str, torch.Tensor] | None = None):
         """Runs `compile_package(path)` (writes a package to `path`), keeps the package under its entry when there is
         a directory to keep it in, and returns it loaded."""
         self.built += 1
         if self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                return self._build_into_directory(material, compile_package)
+                return self._build_into_directory(material, compile_package, own)
             except OSError:  # not writable: the step still gets built, only not kept
                 pass
         with tempfile.TemporaryDirectory(prefix="minimind-step-") as scratch:
             path = os.path.join(scratch, "step.pt2")
             compile_package(path)
-            return load_package(path)
+            return load_package(path, own)
 
-    def _build_into_directory(self, material, compile_package):
+    def _build_into_directory(self, material, compile_package, own):
         name = entry_name(material)
         package, meta = self.paths(name)
         # Written under temporary names and renamed into place, the package before its JSON: a process stopped
@@ -309,7 +364,7 @@ class StepPackages:
             json.dump(record, file, indent=1, sort_keys=True)
         os.replace(scratch_meta, meta)
         self._fit(keep=name)
-        return load_package(package)
+        return load_package(package, own)
 
     def _fit(self, keep: str) -> None:
         """Deletes the files of builds stopped long ago, then the least recently used entries until the directory

@@ -2,7 +2,9 @@
 with the same stopping rules; compiled (fp32, one row and a server's rows) as well as eager. Which kernels the
 compiled steps run (each CPU maker's fp32 table, bf16, int8): tests/decode/test_kernels.py."""
 
+import json
 import os
+import zipfile
 
 import pytest
 import torch
@@ -556,11 +558,53 @@ def test_loading_a_package_pages_out_its_mapped_weights(tmp_path, monkeypatch, k
     assert mappings[1][(16 << 20) - 1] == content[(32 << 20) - 1]
 
 
+def test_one_row_steps_keep_their_weights_apart_from_the_library(model, monkeypatch):
+    """A one-row step's package is built with its weights as files of their own (`WEIGHTS_APART`); where that fails
+    (an opaque, oneDNN-packed weight, which only the library can hold) it is built again with them inside, and a
+    failure there is the build's. A step of several rows keeps them inside from the start."""
+    from minimind.decode import packages
+
+    built, failing = [], {}
+
+    def build(program, package_path):
+        apart = not torch._inductor.config.aot_inductor.package_constants_in_so
+        built.append((package_path, apart))
+        if apart and failing.get("error"):
+            raise RuntimeError(failing["error"])
+
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: "program")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", build)
+    decoder = CompiledDecoder(model)
+    for batch, failure, expected in (
+        (1, None, [True]),
+        (1, "NotImplementedError: Cannot access storage of OpaqueTensorImpl", [True, False]),
+        (1, "IndexError: list index out of range", [True, False]),
+        (2, None, [False]),
+        (8, None, [False]),
+    ):
+        built.clear()
+        failing["error"] = failure
+        token, position, cache = decoder._example(batch, 8)
+        decoder._compile_package(decoder._step_inputs(token, position, cache), cache, batch, f"step{batch}.pt2")
+        assert built == [(f"step{batch}.pt2", apart) for apart in expected]
+    built.clear()
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *args, **kwargs: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        decoder._compile_package(decoder._step_inputs(token, position, cache), cache, 1, "step.pt2")
+    assert packages.WEIGHTS_APART == {
+        "aot_inductor.package_constants_in_so": False,
+        "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+    }
+
+
 @pytest.mark.slow
 def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
     """The second decoder of the same model loads the package the first one built (no export, no compilation) and
-    decodes generate's tokens; a damaged package is built again. No load leaves the files the runtime unpacked
+    decodes generate's tokens, its weights apart from its library and those the step holds unchanged the model's own
+    tensors; a damaged package is built again. No load leaves the files the runtime unpacked
     the package into behind."""
+    from minimind.decode import packages
+
     scratch = compile_cache.parent / "scratch"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))  # where the runtime unpacks packages
@@ -574,13 +618,43 @@ def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
 
+    # The one-row step's weights are files of their own in the archive, not data in its library.
+    with zipfile.ZipFile(package) as archive:
+        names = archive.namelist()
+        [config] = [name for name in names if name.endswith("/weights_config.json")]
+        recorded = json.loads(archive.read(config))
+    assert len([name for name in names if "/data/weights/weight_" in name]) == len({v[0] for v in recorded.values()})
+    handed = []
+    real_weights_apart = packages._weights_apart
     with monkeypatch.context() as patch:
         patch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
         patch.setattr(torch.export, "export", no_compiling)
+        patch.setattr(packages, "_weights_apart", lambda *args: handed.append(real_weights_apart(*args)) or handed[-1])
         second = CompiledDecoder(model)
         assert second.is_packaged(1, PROMPT.shape[1] + 30)
         assert torch.equal(second.generate(PROMPT, max_new_tokens=30, **greedy()), out)
         assert (second.packages.built, second.packages.loaded) == (0, 1)
+    # Every recorded weight handed to the runtime; those the step took over unchanged are the model's own memory:
+    # the norms' weights and the embedding (under the tied head's name), none read from the archive.
+    [weights] = handed
+    assert sorted(weights) == sorted(recorded)
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    shared = sorted(
+        name
+        for name, tensor in weights.items()
+        if name[6:] in tensors and tensor.data_ptr() == tensors[name[6:]].data_ptr()
+    )
+    assert shared == sorted([f"model.{name}" for name in tensors if "norm" in name] + ["model.lm_head.weight"])
+    # and the runtime reads them where they are: with the final norm's weight negated in the model, the loaded
+    # step decodes what generate decodes from the changed model, not the tokens of before
+    with torch.no_grad():
+        model.model.norm.weight.mul_(-1.0)
+        try:
+            changed = second.generate(PROMPT, max_new_tokens=30, **greedy())
+            expected = reference(model, 30, **greedy())
+        finally:
+            model.model.norm.weight.mul_(-1.0)
+    assert torch.equal(changed, expected) and not torch.equal(changed, out)
     package.write_bytes(built[: len(built) // 2])  # truncated
     third = CompiledDecoder(model)
     assert torch.equal(third.generate(PROMPT, max_new_tokens=30, **greedy()), out)
