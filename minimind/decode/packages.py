@@ -41,6 +41,8 @@ FORMAT = 2  # bump when what a package holds or how it is called changes
 DEFAULT_MAX_GB = 4.0  # a package holds its model's weights: room for a few models' steps (env var overrides)
 STRAY_SECONDS = 24 * 3600  # a half-written file this old belongs to a build that was stopped, not a running one
 _LOADING = threading.Lock()
+_MALLOC_OFFSET = 16  # bytes: where glibc's malloc starts a block it maps (its header before it)
+_ALIGN = 64  # bytes: where each weight starts in the block the archive's weights are read into, as in the runtime's
 _SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
 
 
@@ -80,7 +82,12 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
 
 def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The package's weights kept apart from its library ({} when they are inside it), by the names the runtime
-    knows them by: the tensor in `own` where it has the recorded shape and strides, else the archive's."""
+    knows them by: the tensor in `own` where it has the recorded shape and strides, else the archive's.
+
+    The archive's weights are read straight into one block of memory, one after the other, laid out as the runtime
+    lays out the weights it copies out of a library: each 64-byte aligned from the block's start, which lies 16
+    bytes past a page, where glibc's `malloc` puts a large block. Steps over the same fp32 weights in separate
+    allocations, or in one block starting on a page, decoded slower."""
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile):
@@ -90,18 +97,55 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if config is None:
             return {}
         folder = config.split("/data/aotinductor/")[0] + "/data/weights/"
-        files: dict[str, torch.Tensor] = {}
+        recorded = json.loads(archive.read(config))
+        taken = {name for name, (_, shape, stride, _) in recorded.items() if _has_layout(own.get(name), shape, stride)}
+        files = list(dict.fromkeys(file for name, (file, *_) in recorded.items() if name not in taken))
+        sizes = {file: _stored(archive, folder + file).file_size for file in files}
+        offsets, total = {}, 0
+        for file in files:
+            offsets[file] = total
+            total += -(-sizes[file] // _ALIGN) * _ALIGN
+        block = torch.empty(total + _ALIGN, dtype=torch.uint8)[_MALLOC_OFFSET : _MALLOC_OFFSET + total]
+        dtypes = {}
+        for file in files:
+            with archive.open(folder + file) as member:
+                dtypes[file] = torch.load(member, map_location="meta", weights_only=True).dtype
+                member.seek(0)
+                with zipfile.ZipFile(member) as saved, saved.open(_stored(saved)) as data:
+                    _read_into(data, block[offsets[file] : offsets[file] + sizes[file]])
         weights = {}
-        for name, (file, shape, stride, offset) in json.loads(archive.read(config)).items():
-            tensor = own.get(name)
-            if tensor is not None and (list(tensor.shape), list(tensor.stride())) == (shape, stride):
-                weights[name] = tensor
-                continue
-            if file not in files:
-                with archive.open(folder + file) as member:
-                    files[file] = torch.load(member, weights_only=True)
-            weights[name] = files[file].as_strided(shape, stride, offset)
+        for name, (file, shape, stride, offset) in recorded.items():
+            if name in taken:
+                weights[name] = own[name]
+            else:
+                dtype = dtypes[file]
+                start = (block.storage_offset() + offsets[file]) // dtype.itemsize + offset
+                weights[name] = block.view(dtype).as_strided(shape, stride, start)
     return weights
+
+
+def _has_layout(tensor, shape, stride) -> bool:
+    return tensor is not None and (list(tensor.shape), list(tensor.stride())) == (shape, stride)
+
+
+def _stored(saved, member: str | None = None) -> zipfile.ZipInfo:
+    """The record of the tensor data in a weight's file (`saved`, or its `member` in the archive `saved`): one tensor
+    as `torch.save` writes it, itself a zip archive whose one record under data/ is the tensor's storage."""
+    if member is not None:
+        with saved.open(member) as file, zipfile.ZipFile(file) as weight:
+            return _stored(weight)
+    [record] = [info for info in saved.infolist() if info.filename.split("/")[-2:-1] == ["data"]]
+    return record
+
+
+def _read_into(file, destination: torch.Tensor, chunk: int = 1 << 20) -> None:
+    """Reads `file` into the bytes of `destination` a chunk at a time, never holding all of it in between."""
+    view = memoryview(destination.numpy())
+    for start in range(0, len(view), chunk):
+        piece = file.read(min(chunk, len(view) - start))
+        if not piece:
+            raise ValueError(f"a weight's record ends after {start} of {len(view)} bytes")
+        view[start : start + len(piece)] = piece
 
 
 def _trim_heap() -> None:

@@ -645,6 +645,10 @@ def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
         if name[6:] in tensors and tensor.data_ptr() == tensors[name[6:]].data_ptr()
     )
     assert shared == sorted([f"model.{name}" for name in tensors if "norm" in name] + ["model.lm_head.weight"])
+    # the others in one block, each file's weight 64-byte aligned from a start 16 bytes past the allocation's
+    [block] = {weights[name].untyped_storage().data_ptr() for name in weights if name not in shared}
+    starts = [weights[name].data_ptr() - block for name in recorded if name not in shared and recorded[name][3] == 0]
+    assert starts and all(start % 64 == 16 for start in starts) and len(set(starts)) == len(starts)
     # and the runtime reads them where they are: with the final norm's weight negated in the model, the loaded
     # step decodes what generate decodes from the changed model, not the tokens of before
     with torch.no_grad():
