@@ -18,11 +18,19 @@ def llama_cpp_missing():
 
 
 def llama_cpp_version():
+    """The version, and the CPU extensions its library was built for (`llama_print_system_info`): a library built
+    for AVX2 alone (GGML_NATIVE=OFF, GGML_AVX512=OFF) and loaded through LLAMA_CPP_LIB_PATH stands for an AVX2-only
+    CPU beside torch held to AVX2."""
     try:
         import llama_cpp
     except ImportError:
         return "not installed"
-    return llama_cpp.__version__
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    # "CPU : SSE3 = 1 | AVX2 = 1 | ... | OPENMP = 1 |": the vector extensions only
+    built = [field.split("=")[0].strip() for field in info.split("|") if field.strip().endswith("= 1")]
+    built = [name.split(":")[-1].strip() for name in built if not name.split(":")[-1].strip().startswith("SS")]
+    vectors = [name for name in built if name.startswith(("AVX", "AMX", "F16C", "FMA", "NEON", "SVE"))]
+    return llama_cpp.__version__ + (f" (CPU kernels: {', '.join(vectors)})" if vectors else "")
 
 
 def gguf_matrix_bytes(path):

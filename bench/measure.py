@@ -282,6 +282,8 @@ def machine_details():
     if torch.cuda.is_available():
         details["gpu"] = torch.cuda.get_device_name()
     details["torch"] = torch.__version__ + (f" (CPU kernels: {capability})" if capability else "")
+    if os.environ.get("ONEDNN_MAX_CPU_ISA"):
+        details["oneDNN ISA cap"] = os.environ["ONEDNN_MAX_CPU_ISA"]
     details["transformers"] = transformers.__version__
     details["python"] = platform.python_version()
     return details

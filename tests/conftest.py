@@ -286,3 +286,29 @@ def greedy(**kwargs):
 def batch_reference(model, new, batch=BATCH, **kwargs):
     with torch.no_grad():
         return model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=new, **kwargs)
+
+
+def resident_kb(tensor) -> int:
+    """Resident kB of the pages under `tensor`'s storage (Linux's `mincore`, page by page: the kernel merges adjacent
+    mappings, so /proc/self/smaps cannot tell one tensor's mapping from its neighbours')."""
+    import ctypes
+
+    storage = tensor.untyped_storage()
+    start = storage.data_ptr() // 4096 * 4096
+    pages = -(-(storage.data_ptr() + storage.nbytes() - start) // 4096)
+    vector = (ctypes.c_ubyte * pages)()
+    mincore = ctypes.CDLL(None, use_errno=True).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if mincore(start, pages * 4096, vector) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return 4 * sum(byte & 1 for byte in vector)
+
+
+def pages_holding(tensor, positions: int) -> int:
+    """How many 4 kB pages hold the first `positions` positions of every [B, heads] row of a [B, heads, L, D] cache
+    tensor that starts on a page."""
+    batch, heads, length, dim = tensor.shape
+    row, written = length * dim * tensor.element_size(), positions * dim * tensor.element_size()
+    pages = {offset // 4096 for r in range(batch * heads) for offset in range(r * row, r * row + written, 4096)}
+    pages |= {(r * row + written - 1) // 4096 for r in range(batch * heads)}
+    return len(pages)

@@ -45,6 +45,7 @@ from transformers.cache_utils import Cache
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
 from minimind.decode.int8 import int8_activation_products, plain_weights
+from minimind.decode.memory import lazy_zeros, trim_heap, zero_again
 from minimind.decode.packages import (
     WEIGHTS_APART,
     StepPackages,
@@ -55,6 +56,7 @@ from minimind.decode.packages import (
     weights_digest,
 )
 from minimind.decode.sampling import choose_tokens, sampling_warpers
+from minimind.hardware import cpu_computes_natively
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
 # only when its context grows past the next multiple. The steps attend only the written part of the cache, which
@@ -93,7 +95,8 @@ class CompiledStep:
         self._packaged: dict[tuple, object] = {}  # inputs signature -> the loaded package's runner
         self._run = None  # the runner of the cache in `_compiled_for` (None: the torch.compile'd step)
         self._digests: tuple[str, str] | None = None
-        self._step = torch.compile(self._own_step(), fullgraph=True, dynamic=False) if compile else self._forward_one
+        # torch.compile's step, made where a package cannot be (torch.compile's wrapper alone takes memory)
+        self._step = None if compile else self._forward_one
         self._compiled_for: Cache | None = None
         # The steps attend through grouped_query_sdpa where the model attends through SDPA (the prompt keeps the
         # model's kernel); an eager or flash-attention model keeps its own.
@@ -111,8 +114,14 @@ class CompiledStep:
         # max_autotune: inductor's C++ GEMM template against ATen's; it only paid off for 16-bit activations
         # (fp32 at batch 1 on a Xeon decoded slower with it). Where fp32 takes the template
         # (`fp32_product_kernel`) it is the only choice offered, so nothing is timed while compiling.
+        # 16-bit weights on a CPU without arithmetic for them take the template alone: it widens them to fp32 in
+        # registers (for AVX2 as for AVX-512), while autotuning against ATen's products, which have no 16-bit
+        # arithmetic to use there, decoded far slower. int8 weights keep the autotuning, which did better there.
         sixteen_bit = self.dtype != torch.float32
-        template = not sixteen_bit and fp32_product_kernel(batch) == "template"
+        if sixteen_bit:
+            template = plain_weights(self.model) and cpu_computes_natively(self.dtype) is False
+        else:
+            template = fp32_product_kernel(batch) == "template"
         return {
             "freezing": True,
             "cpp_wrapper": True,
@@ -190,6 +199,8 @@ class CompiledStep:
             self._run, self._compiled_for = run, cache
             return run.loader.boxed_run(self._step_inputs(token, position, cache))[0]
         self._run = None
+        if self._step is None:
+            self._step = torch.compile(self._own_step(), fullgraph=True, dynamic=False)
         started = time.perf_counter()
         try:
             with BUILD_LOCK, self._compile_settings(batch):
@@ -404,7 +415,10 @@ class CompiledDecoder(CompiledStep):
             and self._cache.layers[0].max_cache_len == length
             and self._cache.layers[0].keys.shape[0] == batch
         ):
-            self._cache.reset()
+            for layer in self._cache.layers:
+                zero_again(layer.keys)
+                zero_again(layer.values)
+                layer.cumulative_length.zero_()
             return self._cache
         config = self.model.config
         cache = StaticCache(config=config, max_cache_len=length)
@@ -415,11 +429,16 @@ class CompiledDecoder(CompiledStep):
             dtype=self.dtype,
             device=self.model.device,
         )
-        # StaticCache marks its tensors as static addresses (for CUDA graphs). Freezing would then fold them into
-        # the graph as constants, so in-place cache updates would write to a copy; as plain inputs they work.
+        # Keys and values resident only as far as they are written (a reply holds what it wrote, not the whole
+        # bucket), and not marked as static addresses as StaticCache marks them (for CUDA graphs): freezing would
+        # fold them into the graph as constants, so in-place cache updates would write to a copy.
         for layer in cache.layers:
+            if layer.keys.device.type == "cpu":
+                layer.keys = lazy_zeros(layer.keys.shape, layer.keys.dtype)
+                layer.values = lazy_zeros(layer.values.shape, layer.values.dtype)
             for tensor in (layer.keys, layer.values, layer.cumulative_length):
                 tensor.__dict__.pop("_dynamo_static_input_type", None)
+        trim_heap()  # the zeros StaticCache allocated, freed into the heap
         self._cache = cache
         return cache
 

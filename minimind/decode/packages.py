@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from minimind.decode.memory import trim_heap
 from minimind.errors import InputError
 from minimind.hardware import cpuinfo
 
@@ -67,13 +68,14 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
     back from the file should anything touch them). Where that is unavailable (not Linux, a kernel before 5.4),
     nothing changes but the memory. Loads take turns: each tells its own mappings by what it added."""
     with _LOADING:
+        trim_heap()  # memory freed before the load goes back first, so that it does not add to the load's peak
         before = _mapped_files()
         runner = torch._inductor.aoti_load_package(str(path))
         weights = _weights_apart(path, own or {})
         if weights:
             runner.load_constants(weights, check_full_update=True, user_managed=True)
             del weights
-            _trim_heap()  # the archive's read buffers, freed into the heap, go back to the system
+            trim_heap()  # the archive's read buffers, freed into the heap, go back to the system
         added = _mapped_files() - before
     _page_out([m for m in added if "x" not in m[2]])
     _remove_extracted({Path(m[3]) for m in added})
@@ -105,13 +107,15 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         for file in files:
             offsets[file] = total
             total += -(-sizes[file] // _ALIGN) * _ALIGN
-        block = torch.empty(total + _ALIGN, dtype=torch.uint8)[_MALLOC_OFFSET : _MALLOC_OFFSET + total]
         dtypes = {}
         for file in files:
             with archive.open(folder + file) as member:
                 dtypes[file] = torch.load(member, map_location="meta", weights_only=True).dtype
-                member.seek(0)
-                with zipfile.ZipFile(member) as saved, saved.open(_stored(saved)) as data:
+        trim_heap()  # torch.load reads a whole weight's file to tell its dtype: those buffers go before the block
+        block = torch.empty(total + _ALIGN, dtype=torch.uint8)[_MALLOC_OFFSET : _MALLOC_OFFSET + total]
+        for file in files:
+            with archive.open(folder + file) as member, zipfile.ZipFile(member) as saved:
+                with saved.open(_stored(saved)) as data:
                     _read_into(data, block[offsets[file] : offsets[file] + sizes[file]])
         weights = {}
         for name, (file, shape, stride, offset) in recorded.items():
@@ -146,15 +150,6 @@ def _read_into(file, destination: torch.Tensor, chunk: int = 1 << 20) -> None:
         if not piece:
             raise ValueError(f"a weight's record ends after {start} of {len(view)} bytes")
         view[start : start + len(piece)] = piece
-
-
-def _trim_heap() -> None:
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 # Kernel files a GPU package's runtime opens when it first launches them, after the load: where any is present the
@@ -317,7 +312,7 @@ def entry_name(material: dict) -> str:
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 24), b""):
+        for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 

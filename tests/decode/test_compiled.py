@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from conftest import BATCH, NO_EOS, PROMPT, batch_reference, greedy, reference, tiny_model
+from conftest import BATCH, NO_EOS, PROMPT, batch_reference, greedy, pages_holding, reference, resident_kb, tiny_model
 from minimind.decode import (
     CACHE_BUCKET,
     GROUPED_QUERY_SDPA,
@@ -117,6 +117,24 @@ def test_steps_use_grouped_kernel(model, monkeypatch):
     assert model.config._attn_implementation == "sdpa"
     eager = tiny_model(std=0.3, attn_implementation="eager")
     assert CompiledDecoder(eager, compile=False).step_attention == "eager"  # a model's own non-SDPA kernel stays
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc")
+def test_a_reply_holds_only_the_cache_positions_it_wrote(model):
+    """The static cache spans a whole bucket, resident only in the pages of the positions written (neither the
+    prompt, causal from the cache's start, nor a step reads further), and the next reply starts from none."""
+    decoder = CompiledDecoder(model, compile=False)
+    for prompt, new in ((PROMPT, 100), (torch.tensor([[9, 9, 1, 2]]), 20)):
+        out = decoder.generate(prompt, max_new_tokens=new, **greedy())
+        with torch.no_grad():
+            theirs = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, **greedy())
+        assert torch.equal(out, theirs)
+        written = prompt.shape[1] + new - 1  # the last token is never fed back
+        for layer in decoder._cache.layers:
+            assert layer.keys.shape[2] == CACHE_BUCKET
+            for tensor in (layer.keys, layer.values):
+                assert resident_kb(tensor) == 4 * pages_holding(tensor, written)
+    assert 4 * pages_holding(layer.keys, 106) == 16 and 4 * pages_holding(layer.keys, CACHE_BUCKET) == 128
 
 
 def test_eager_loop_matches_greedy_generate(model):
@@ -634,6 +652,7 @@ def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
         assert second.is_packaged(1, PROMPT.shape[1] + 30)
         assert torch.equal(second.generate(PROMPT, max_new_tokens=30, **greedy()), out)
         assert (second.packages.built, second.packages.loaded) == (0, 1)
+        assert second._step is None  # nor torch.compile's wrapper made, which alone takes memory
     # Every recorded weight handed to the runtime; those the step took over unchanged are the model's own memory:
     # the norms' weights and the embedding (under the tied head's name), none read from the archive.
     [weights] = handed

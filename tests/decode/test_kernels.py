@@ -31,11 +31,34 @@ def greedy_gap(model, ids, prompt_length):
     return (logits.max(-1).values - chosen).max().item()
 
 
+def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(int8_model, monkeypatch):
+    """16-bit weights on a CPU without 16-bit arithmetic: inductor's C++ template alone, which widens them to fp32
+    in registers; with the arithmetic, or with int8 weights, the template and ATen's products autotuned."""
+    native = {torch.bfloat16: False, torch.float16: False}
+    monkeypatch.setattr(compiled, "cpu_computes_natively", lambda dtype: native.get(dtype, True))
+    for dtype in (torch.bfloat16, torch.float16):
+        settings = CompiledDecoder(tiny_model().to(dtype)).inductor_settings(1)
+        assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP")
+    settings = CompiledDecoder(int8_model).inductor_settings(1)
+    assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
+    native[torch.bfloat16] = True
+    settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(8)
+    assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
+    native[torch.bfloat16] = None  # features unknown: as before
+    assert CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(1)["max_autotune_gemm_backends"] == (
+        "CPP,ATEN"
+    )
+
+
 @pytest.mark.slow
-def test_bf16_frozen_weights_decode_greedily():
-    """Compiled bf16 with frozen weights decodes greedily."""
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-arithmetic", "no-bf16-arithmetic"])
+def test_bf16_frozen_weights_decode_greedily(native, monkeypatch):
+    """Compiled bf16 with frozen weights decodes greedily, autotuned or (on a CPU without bf16 arithmetic) through
+    inductor's template alone."""
+    monkeypatch.setattr(compiled, "cpu_computes_natively", lambda dtype: native)
     model = tiny_model(std=0.3).to(torch.bfloat16)
     decoder = CompiledDecoder(model)
+    assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == ("CPP,ATEN" if native else "CPP")
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
     eager = CompiledDecoder(model, compile=False)
     for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt

@@ -1,0 +1,51 @@
+"""Keeping the decoders' resident memory to what they use: zeroed tensors whose memory becomes resident only where
+they are written (`lazy_zeros`: a static KV cache is allocated for a whole `CACHE_BUCKET` of positions, and a reply
+that writes a few hundred of them should not hold the rest), and freed memory handed back (`trim_heap`).
+
+On Linux the tensor lies over an anonymous private mapping of its own: the kernel maps a zeroed page in at the first
+write to it, and zeroing the tensor again hands its pages back (`madvise(MADV_DONTNEED)`) instead of writing every
+byte. Pages that are only read become resident too, so whatever reads such a tensor reads the written part only
+(`grouped_query_sdpa`). Elsewhere these are plain `torch.zeros` and `zero_()`."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import sys
+
+import torch
+
+_MADV_DONTNEED = 4
+_MAPPED = sys.platform.startswith("linux")
+
+
+def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not _MAPPED or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # private: a shared mapping would keep its pages' contents when they are handed back. The tensor keeps the
+    # mapping alive (it holds the buffer), and the mapping goes with the tensor's last view.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
+def zero_again(tensor: torch.Tensor) -> None:
+    """Zeroes a tensor made by `lazy_zeros`, its pages no longer resident (any other device's tensor: `zero_()`)."""
+    if not _MAPPED or tensor.device.type != "cpu" or tensor.numel() == 0:
+        tensor.zero_()
+        return
+    storage = tensor.untyped_storage()
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(storage.data_ptr(), storage.nbytes(), _MADV_DONTNEED) != 0:
+        tensor.zero_()
+
+
+def trim_heap() -> None:
+    """Hands the free memory inside glibc's heap back to the system (`malloc_trim`): blocks freed below others stay
+    resident otherwise. Elsewhere nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

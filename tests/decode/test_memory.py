@@ -1,0 +1,34 @@
+"""minimind/decode/memory.py: zeroed tensors resident only where written, zeroed again by handing pages back."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import resident_kb
+from minimind.decode.memory import lazy_zeros, trim_heap, zero_again
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc"
+)
+
+
+def test_lazy_zeros_hold_the_pages_written_and_give_them_back():
+    zeros = lazy_zeros((1024, 1024, 4), torch.float32)  # 16 MiB, every byte zero
+    assert zeros.data_ptr() % 4096 == 0 and zeros.shape == (1024, 1024, 4) and zeros.dtype == torch.float32
+    assert resident_kb(zeros) == 0
+    zeros[0, 0, 0] = 1.0
+    zeros[0, 1023, 3] = 2.0  # the last float of the first 16 kB: the fourth page
+    zeros[700, 5] = 3.0
+    assert resident_kb(zeros) == 3 * 4
+    zero_again(zeros)
+    assert resident_kb(zeros) == 0
+    assert zeros.count_nonzero().item() == 0  # read back as zeros (and resident again, having been read)
+    trim_heap()  # glibc's or nothing, never an error
+
+
+def test_zero_again_zeroes_other_tensors_in_place():
+    ones = torch.ones(3, 5)
+    zero_again(ones)
+    assert ones.count_nonzero().item() == 0
+    assert lazy_zeros((0, 4), torch.bfloat16).shape == (0, 4)
