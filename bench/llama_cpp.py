@@ -26,9 +26,8 @@ def llama_cpp_version():
     except ImportError:
         return "not installed"
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
-    # "CPU : SSE3 = 1 | AVX2 = 1 | ... | OPENMP = 1 |": the vector extensions only
-    built = [field.split("=")[0].strip() for field in info.split("|") if field.strip().endswith("= 1")]
-    built = [name.split(":")[-1].strip() for name in built if not name.split(":")[-1].strip().startswith("SS")]
+    # "CPU : SSE3 = 1 | AVX2 = 1 | ... | OPENMP = 1 |": the vector extensions switched on
+    built = [field.split("=")[0].split(":")[-1].strip() for field in info.split("|") if field.strip().endswith("= 1")]
     vectors = [name for name in built if name.startswith(("AVX", "AMX", "F16C", "FMA", "NEON", "SVE"))]
     return llama_cpp.__version__ + (f" (CPU kernels: {', '.join(vectors)})" if vectors else "")
 

@@ -436,3 +436,25 @@ def test_rows_are_timed_and_compared_in_rounds():
     assert paired_ratio(ours, theirs) == (1.5, 1.25, 2.0)
     with pytest.raises(ValueError, match=r"zip\(\) argument 2 is shorter than argument 1"):  # unpaired rounds
         paired_ratio(ours, PeerRow(theirs.workload, seconds=[2.0], tokens=100))
+
+
+def test_header_names_the_cpu_kernels_each_side_was_built_for(monkeypatch):
+    """llama.cpp's version with the vector extensions its library reports (an AVX2-only build loaded through
+    LLAMA_CPP_LIB_PATH stands for an AVX2-only CPU), and oneDNN's ISA cap where one is set."""
+    import sys
+    import types
+
+    from bench.llama_cpp import llama_cpp_version
+
+    info = (
+        b"CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 0 | OPENMP = 1 | "
+    )
+    fake = types.SimpleNamespace(__version__="0.3.36", llama_print_system_info=lambda: info)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert llama_cpp_version() == "0.3.36 (CPU kernels: AVX, AVX2, F16C, FMA)"
+    fake.llama_print_system_info = lambda: b"CPU : LLAMAFILE = 1 | "
+    assert llama_cpp_version() == "0.3.36"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert machine_details()["oneDNN ISA cap"] == "AVX2"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert "oneDNN ISA cap" not in machine_details()
