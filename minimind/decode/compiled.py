@@ -18,7 +18,8 @@ oneDNN's beyond). Every graph gets inductor's C++ wrapper, which calls its kerne
 The steps attend through `grouped_query_sdpa`, which reads the KV cache without copying it per query head and
 only as far as it has been written, and after a graph's first call dynamo checks only the guards that tell this
 decoder's graphs apart.
-Frozen weights are a snapshot, so a decoder must be rebuilt after the model is trained further; the saved state
+Frozen weights are a snapshot (a loaded one-row step reads the norms and the embedding from the model itself, the
+rest from its own merged copies), so a decoder must be rebuilt after the model is trained further; the saved state
 dict is untouched.
 
 `CompiledDecoder.generate` takes the subset of `model.generate`'s arguments the chat front ends use (greedy or
@@ -60,7 +61,7 @@ from minimind.hardware import cpu_computes_natively
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
 # only when its context grows past the next multiple. The steps attend only the written part of the cache, which
-# makes a long bucket cost no decoding speed, only memory: keys and values for every position of every row.
+# makes a long bucket cost no decoding speed; on a CPU its memory is resident only where written (`lazy_zeros`).
 CACHE_BUCKET = 1024
 _decoder_ids = itertools.count()
 # torch.export, AOTInductor and dynamo keep tracing state in module globals: two decoders compiling at once (the
