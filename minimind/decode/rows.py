@@ -3,11 +3,14 @@ rows are independent sequences, each at its own position, so sequences join and 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from minimind.decode.compiled import CompiledStep
+from minimind.decode.memory import lazy_zeros
 
 
 class _RowLayer(StaticLayer):
@@ -36,9 +39,11 @@ class RowCache(Cache):
         self.config = config
         if _tensors is None:
             shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, config.head_dim)
+            # on a CPU resident only where rows have been written (`lazy_zeros`): every row for the whole context
+            zeros = lazy_zeros if torch.device(device).type == "cpu" else partial(torch.zeros, device=device)
             _tensors = (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+                zeros(shape, dtype=dtype),
+                zeros(shape, dtype=dtype),
                 torch.zeros(rows, dtype=torch.long, device=device),
             )
         # [layers, R, K, L, Dh] twice (or, in a step being exported, a [R, K, L, Dh] tensor per layer), [R]

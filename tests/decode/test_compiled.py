@@ -379,6 +379,25 @@ def test_row_cache_views_rows_and_moves_sequences(model):
     assert not torch.equal(cache.keys[:, 1, :, 5:], cache.keys[:, 3, :, 5:])  # only what was written moves
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc")
+def test_row_cache_is_resident_only_where_rows_are_written(model):
+    """A server's row cache spans every row for the whole context; only the pages a prompt or a moved sequence
+    writes become resident."""
+    config = model.config
+    cache = RowCache(config, rows=4, length=CACHE_BUCKET, dtype=torch.float32, device="cpu")
+    assert resident_kb(cache.keys) == resident_kb(cache.values) == 0
+    prompt = torch.arange(100)[None] % config.vocab_size
+    with torch.no_grad():
+        prompt_cache = model(prompt, use_cache=True).past_key_values
+    cache.fill_row(2, prompt_cache, 0, 100)
+    # 100 positions of 16 floats: 2 pages for each of 2 layers x 2 key/value heads
+    pages = config.num_hidden_layers * config.num_key_value_heads * -(-100 * config.head_dim * 4 // 4096)
+    assert resident_kb(cache.keys) == resident_kb(cache.values) == 4 * pages == 32
+    cache.move_row(2, 0)
+    assert resident_kb(cache.keys) == 2 * 4 * pages
+    assert torch.equal(cache.keys[:, 0, :, :100], cache.keys[:, 2, :, :100])
+
+
 def test_row_step_writes_each_layer_into_its_own_input(model):
     """The row step's package takes a cache tensor per layer, views of the cache's own memory, and writes each in
     place. Exported over one [layers, ...] tensor, every layer's write became a copy of that tensor and a copy
