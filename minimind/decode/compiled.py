@@ -434,9 +434,8 @@ class CompiledDecoder(CompiledStep):
         # bucket), and not marked as static addresses as StaticCache marks them (for CUDA graphs): freezing would
         # fold them into the graph as constants, so in-place cache updates would write to a copy.
         for layer in cache.layers:
-            if layer.keys.device.type == "cpu":
-                layer.keys = lazy_zeros(layer.keys.shape, layer.keys.dtype)
-                layer.values = lazy_zeros(layer.values.shape, layer.values.dtype)
+            layer.keys = lazy_zeros(layer.keys.shape, layer.keys.dtype, layer.keys.device)
+            layer.values = lazy_zeros(layer.values.shape, layer.values.dtype, layer.values.device)
             for tensor in (layer.keys, layer.values, layer.cumulative_length):
                 tensor.__dict__.pop("_dynamo_static_input_type", None)
         trim_heap()  # the zeros StaticCache allocated, freed into the heap

@@ -4,8 +4,8 @@ that writes a few hundred of them should not hold the rest), and freed memory ha
 
 On Linux the tensor lies over an anonymous private mapping of its own: the kernel maps a zeroed page in at the first
 write to it, and zeroing the tensor again hands its pages back (`madvise(MADV_DONTNEED)`) instead of writing every
-byte. Pages that are only read become resident too, so whatever reads such a tensor reads the written part only
-(`grouped_query_sdpa`). Elsewhere these are plain `torch.zeros` and `zero_()`."""
+byte. Pages that are only read map the kernel's one shared zero page, no memory of their own. Elsewhere, and on
+other devices, these are plain `torch.zeros` and `zero_()`."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ import sys
 
 import torch
 
-_MADV_DONTNEED = 4
+MADV_DONTNEED = 4
+MADV_PAGEOUT = 21
 _MAPPED = sys.platform.startswith("linux")
 
 
-def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+def lazy_zeros(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
-    if not _MAPPED or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
+    if not _MAPPED or nbytes == 0 or torch.device(device or "cpu").type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     # private: a shared mapping would keep its pages' contents when they are handed back. The tensor keeps the
     # mapping alive (it holds the buffer), and the mapping goes with the tensor's last view.
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -36,10 +37,18 @@ def zero_again(tensor: torch.Tensor) -> None:
         tensor.zero_()
         return
     storage = tensor.untyped_storage()
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if madvise(storage.data_ptr(), storage.nbytes(), _MADV_DONTNEED) != 0:
+    if not madvise(storage.data_ptr(), storage.nbytes(), MADV_DONTNEED):
         tensor.zero_()
+
+
+def madvise(start: int, length: int, advice: int) -> bool:
+    """The kernel's `madvise` over [start, start + length) (start on a page); False where it refused or is missing."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return call(start, length, advice) == 0
 
 
 def trim_heap() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from minimind.decode.memory import trim_heap
+from minimind.decode.memory import MADV_PAGEOUT, madvise, trim_heap
 from minimind.errors import InputError
 from minimind.hardware import cpuinfo
 
@@ -191,17 +191,8 @@ def _mapped_files() -> set[tuple[int, int, str, str]]:
 
 
 def _page_out(mappings) -> None:
-    import ctypes
-
-    if not mappings:
-        return
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for start, end, _, _ in mappings:
-        madvise(start, end - start, 21)  # MADV_PAGEOUT; an older kernel's EINVAL changes nothing
+        madvise(start, end - start, MADV_PAGEOUT)  # an older kernel's EINVAL changes nothing
 
 
 def default_cache_dir() -> Path:

@@ -3,8 +3,6 @@ rows are independent sequences, each at its own position, so sequences join and 
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, StaticLayer
@@ -39,11 +37,10 @@ class RowCache(Cache):
         self.config = config
         if _tensors is None:
             shape = (config.num_hidden_layers, rows, config.num_key_value_heads, length, config.head_dim)
-            # on a CPU resident only where rows have been written (`lazy_zeros`): every row for the whole context
-            zeros = lazy_zeros if torch.device(device).type == "cpu" else partial(torch.zeros, device=device)
+            # every row for the whole context, on a CPU resident only where rows have been written
             _tensors = (
-                zeros(shape, dtype=dtype),
-                zeros(shape, dtype=dtype),
+                lazy_zeros(shape, dtype, device),
+                lazy_zeros(shape, dtype, device),
                 torch.zeros(rows, dtype=torch.long, device=device),
             )
         # [layers, R, K, L, Dh] twice (or, in a step being exported, a [R, K, L, Dh] tensor per layer), [R]
