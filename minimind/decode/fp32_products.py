@@ -26,10 +26,11 @@ def fp32_product_kernel(rows: int, intel: bool = INTEL_CPU) -> str:
 
 class Fp32Products(CustomGraphPass):
     """An inductor pass for fp32 steps: each prepacked product (MKL's packed GEMM, which freezing puts in for every
-    fp32 linear) gets the kernel that decoded fastest for its number of rows on the 64M model (2 threads, decoders
-    side by side in one process). On an Intel Xeon:
-    - one row: MKL's plain product with the weight laid out [in, out] contiguous, ahead of the packed one;
-    - two or three rows: MKL's packed product stays, ahead of oneDNN's;
+    fp32 linear under torch.compile; oneDNN's under AOTInductor) gets the kernel that decoded fastest for its number
+    of rows on the 64M model (2 threads, decoders side by side in one process). On an Intel Xeon:
+    - one row: MKL's plain product with the weight laid out [in, out] contiguous, ahead of both packed ones; a tied
+      LM head multiplies by the embedding's own table, transposed (as fast, and the step holds no copy of it);
+    - two or three rows: MKL's packed product stays, ahead of oneDNN's (under AOTInductor, oneDNN's stays);
     - four rows or more: oneDNN's packed product, as 16-bit weights get (level with MKL's packed one at four rows,
       ahead from there on).
     On an AMD EPYC (Zen 4), where MKL runs slow:
@@ -43,71 +44,115 @@ class Fp32Products(CustomGraphPass):
 
     def __call__(self, graph):
         module = graph.owning_module
-        packed_linear = (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default)
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in packed_linear:
+            product = self._product(graph, module, node)
+            if product is None:
                 continue
-            inputs, _packed, weight, bias, _batch = node.args  # inputs [N, in], weight [out, in], a frozen constant
-            rows = inputs.meta["val"].shape[0]
-            kernel = fp32_product_kernel(rows)
-            if kernel in ("mkl", "template"):
-                continue
-            with graph.inserting_before(node):
-                if kernel == "plain":
-                    # Inductor gives a one-row view the strides (0, 1); ATen's product copies such an input first
-                    # (in every product) because the stride reads as no leading dimension. (in, 1) is the same row.
-                    row = self._with_leading_stride(graph, inputs)
-                    weight_in_out = self._constant(
-                        graph,
-                        module,
-                        weight,
-                        "in_out",
-                        lambda w: w.t().contiguous(),
-                        weight.meta["val"].t().contiguous(),
-                    )  # [in, out]
-                    product = (
-                        graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out))
-                        if bias is None
-                        else graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out))
-                    )
-                else:
-                    # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
-                    packed = self._constant(
-                        graph,
-                        module,
-                        weight,
-                        f"onednn_{rows}",
-                        lambda w, rows=rows: torch.ops.mkldnn._reorder_linear_weight(w, rows),
-                        weight.meta["val"],
-                    )
-                    product = graph.call_function(
-                        torch.ops.mkldnn._linear_pointwise.default, (inputs, packed, bias, "none", [], "")
-                    )
             product.meta.update(node.meta)
             node.replace_all_uses_with(product)
             graph.erase_node(node)
-        graph.eliminate_dead_code()  # the MKL-packed copies go with their last user
+        graph.eliminate_dead_code()  # the packed copies go with their last user
+
+    def _product(self, graph, module, node):
+        """The product that replaces a packed one (`node`), or None where it stays. Inductor packs fp32 weights for
+        MKL under torch.compile and for oneDNN under AOTInductor (MKL's packed product has no AOTInductor kernel);
+        either way the weight's plain [out, in] form is recovered to lay it out for the chosen kernel."""
+        if node.op != "call_function":
+            return None
+        if node.target in (torch.ops.mkl._mkl_linear, torch.ops.mkl._mkl_linear.default):
+            inputs, _packed, weight, bias, _batch = node.args  # inputs [N, in], weight [out, in], a frozen constant
+            onednn = False
+        elif node.target is torch.ops.mkldnn._linear_pointwise.default and _plain_onednn_product(module, node):
+            inputs, weight, bias = node.args[:3]  # weight: the oneDNN-packed constant
+            onednn = True
+        else:
+            return None
+        value = inputs.meta["val"]  # [..., in]: oneDNN's product takes any leading dimensions
+        rows = value.numel() // value.shape[-1]
+        kernel = fp32_product_kernel(rows)
+        if kernel in ("mkl", "template") or (onednn and kernel != "plain"):
+            # under AOTInductor oneDNN's packed product stays where MKL's packed one would be chosen; the
+            # template takes the packed product over when lowering it
+            return None
+        with graph.inserting_before(node):
+            if kernel == "plain":
+                stored = getattr(module, weight.target)
+                stored = stored.to_dense() if onednn else stored  # [out, in]
+                embedding = _embedding_holding(graph, stored)
+                if embedding is not None:
+                    weight_in_out = graph.call_function(torch.ops.aten.permute.default, (embedding, [1, 0]))
+                    weight_in_out.meta["val"] = embedding.meta["val"].permute(1, 0)
+                    in_out = stored.t()
+                else:
+                    in_out = stored.t().contiguous()  # [in, out]
+                    weight_in_out = self._constant(graph, inputs, weight, "in_out", in_out)
+                row = self._one_row(graph, inputs)  # [1, in]
+                product = (
+                    graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out))
+                    if bias is None
+                    else graph.call_function(torch.ops.aten.addmm.default, (bias, row, weight_in_out))
+                )  # [1, out]
+                product.meta["val"] = row.meta["val"] @ weight_in_out.meta["val"]
+                if value.dim() == 2:
+                    return product
+                return graph.call_function(
+                    torch.ops.aten.view.default, (product, [*value.shape[:-1], in_out.shape[1]])
+                )
+            # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
+            source = getattr(module, weight.target)
+            packed = self._constant(
+                graph, inputs, weight, f"onednn_{rows}", torch.ops.mkldnn._reorder_linear_weight(source, rows), source
+            )
+            return graph.call_function(
+                torch.ops.mkldnn._linear_pointwise.default, (inputs, packed, bias, "none", [], "")
+            )
 
     @staticmethod
-    def _with_leading_stride(graph, row):
-        value = row.meta["val"]
+    def _one_row(graph, inputs):
+        """`inputs` (one row, any leading dimensions of size 1) as a [1, in] matrix with the strides (in, 1): inductor
+        gives a one-row view the strides (0, 1), and ATen's product copies such an input first (in every product)
+        because the stride reads as no leading dimension."""
+        value = inputs.meta["val"]
+        width = value.shape[-1]
         if value.stride(-1) != 1:  # not one run of memory: leave it to ATen
+            row = graph.call_function(torch.ops.aten.reshape.default, (inputs, [1, width]))
+            row.meta["val"] = value.reshape(1, width)
             return row
-        strided = graph.call_function(
-            torch.ops.aten.as_strided.default, (row, list(value.shape), [value.shape[-1], 1])
-        )
-        strided.meta["val"] = value.as_strided(value.shape, (value.shape[-1], 1))
-        return strided
+        row = graph.call_function(torch.ops.aten.as_strided.default, (inputs, [1, width], [width, 1]))
+        row.meta["val"] = value.as_strided((1, width), (width, 1))
+        return row
 
     @staticmethod
-    def _constant(graph, module, weight, suffix, relaid, meta_value):
-        """A frozen constant holding `relaid(weight)`, lowered by inductor as `meta_value` describes it."""
-        name = f"{weight.target}_{suffix}"
+    def _constant(graph, inputs, weight, suffix, value, lowered_as=None):
+        """A frozen constant holding `value`, named after `weight`'s, lowered by inductor as `lowered_as` (default:
+        `value` itself) describes it."""
+        module, name = graph.owning_module, f"{weight.target}_{suffix}"
         if not hasattr(module, name):
-            module.register_buffer(name, relaid(getattr(module, weight.target)))
+            module.register_buffer(name, value)
         node = graph.get_attr(name)
-        node.meta["val"] = meta_value
+        node.meta["val"] = inputs.meta["val"].fake_mode.from_tensor(value if lowered_as is None else lowered_as)
         return node
 
     def uuid(self):
         return get_hash_for_files((__file__,))
+
+
+def _plain_onednn_product(module, node) -> bool:
+    """A oneDNN product of an fp32 weight packed as a frozen constant, with nothing fused into it."""
+    weight = node.args[1]
+    if getattr(weight, "op", None) != "get_attr" or tuple(node.args[3:]) != ("none", [], ""):
+        return False
+    value = getattr(module, weight.target, None)
+    return isinstance(value, torch.Tensor) and value.is_mkldnn and value.dtype == torch.float32
+
+
+def _embedding_holding(graph, weight):
+    """The constant an embedding lookup in `graph` reads, where it holds `weight` (a tied LM head's), else None."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.embedding.default and getattr(node.args[0], "op", None) == "get_attr":
+            table = graph.owning_module
+            for part in node.args[0].target.split("."):
+                table = getattr(table, part)
+            if table.shape == weight.shape and torch.equal(table, weight):
+                return node.args[0]
+    return None

@@ -21,7 +21,9 @@ is deleted and built again, never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import platform
@@ -70,7 +72,8 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
     with _LOADING:
         trim_heap()  # memory freed before the load goes back first, so that it does not add to the load's peak
         before = _mapped_files()
-        runner = torch._inductor.aoti_load_package(str(path))
+        with _no_isa_probes():
+            runner = torch._inductor.aoti_load_package(str(path))
         weights = _weights_apart(path, own or {})
         if weights:
             runner.load_constants(weights, check_full_update=True, user_managed=True)
@@ -80,6 +83,25 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
     _page_out([m for m in added if "x" not in m[2]])
     _remove_extracted({Path(m[3]) for m in added})
     return runner
+
+
+@contextlib.contextmanager
+def _no_isa_probes():
+    """Loading a package compares the CPU's vector ISA with the one the package was built for, only to log a warning;
+    telling the ISA builds and loads a test library per candidate in a Python subprocess each, most of the load's
+    time. A package's entry is keyed by the CPU's features already (`cpu_material`), so the load takes the
+    ISAs the CPU's flags name as given, and what it learnt so is forgotten after it (a step compiled later in the
+    process still checks its ISA)."""
+    from torch._inductor import cpu_vec_isa
+
+    listing = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    told = not hasattr(listing, "cache_clear") or listing.cache_info().currsize > 0
+    try:
+        with torch._inductor.config.patch({"cpp.vec_isa_ok": True}):
+            yield
+    finally:
+        if not told:
+            listing.cache_clear()
 
 
 def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,7 +116,7 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile):
         return {}
-    with archive:
+    with archive, open(path, "rb") as raw:
         config = next((name for name in archive.namelist() if name.endswith("/weights_config.json")), None)
         if config is None:
             return {}
@@ -102,21 +124,21 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         recorded = json.loads(archive.read(config))
         taken = {name for name, (_, shape, stride, _) in recorded.items() if _has_layout(own.get(name), shape, stride)}
         files = list(dict.fromkeys(file for name, (file, *_) in recorded.items() if name not in taken))
-        sizes = {file: _stored(archive, folder + file).file_size for file in files}
+        storages, dtypes = {}, {}
+        for file in files:
+            saved = _record(raw, archive, folder + file)  # one tensor as torch.save writes it: a zip archive itself
+            dtypes[file] = torch.load(saved, map_location="meta", weights_only=True).dtype
+            with zipfile.ZipFile(saved) as weight:
+                [storage] = [info.filename for info in weight.infolist() if info.filename.split("/")[-2] == "data"]
+                storages[file] = _record(saved, weight, storage)
         offsets, total = {}, 0
         for file in files:
             offsets[file] = total
-            total += -(-sizes[file] // _ALIGN) * _ALIGN
-        dtypes = {}
-        for file in files:
-            with archive.open(folder + file) as member:
-                dtypes[file] = torch.load(member, map_location="meta", weights_only=True).dtype
-        trim_heap()  # torch.load reads a whole weight's file to tell its dtype: those buffers go before the block
+            total += -(-storages[file].size // _ALIGN) * _ALIGN
+        trim_heap()  # torch.load's buffers go back before the block is allocated
         block = torch.empty(total + _ALIGN, dtype=torch.uint8)[_MALLOC_OFFSET : _MALLOC_OFFSET + total]
         for file in files:
-            with archive.open(folder + file) as member, zipfile.ZipFile(member) as saved:
-                with saved.open(_stored(saved)) as data:
-                    _read_into(data, block[offsets[file] : offsets[file] + sizes[file]])
+            _read_into(storages[file], block[offsets[file] : offsets[file] + storages[file].size])
         weights = {}
         for name, (file, shape, stride, offset) in recorded.items():
             if name in taken:
@@ -128,28 +150,62 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return weights
 
 
+class _Record(io.RawIOBase):
+    """A record an archive stores uncompressed, as a seekable file of its own over the archive's open file. Zipfile's
+    own reader of a record goes back to the record's start at every seek backwards, which made reading a package's
+    weights (zip archives inside the zip archive, read by seeking to their directories) take seconds."""
+
+    def __init__(self, file, start: int, size: int):
+        super().__init__()
+        self.file, self.start, self.size, self.position = file, start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        wanted = max(0, min(len(buffer), self.size - self.position))
+        self.file.seek(self.start + self.position)
+        count = self.file.readinto(memoryview(buffer).cast("B")[:wanted])
+        self.position += count
+        return count
+
+
+def _record(file, archive: zipfile.ZipFile, name: str):
+    """The record `name` of `archive` (whose bytes `file` reads): read in place where it is stored uncompressed (as
+    AOTInductor and torch.save store them), else read whole."""
+    info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
+        return io.BytesIO(archive.read(info))
+    file.seek(info.header_offset)
+    header = file.read(30)  # a local file header, the name and an extra field of its own after it
+    if header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"no local header for {name}")
+    names, extra = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
+    return _Record(file, info.header_offset + 30 + names + extra, info.file_size)
+
+
 def _has_layout(tensor, shape, stride) -> bool:
     return tensor is not None and (list(tensor.shape), list(tensor.stride())) == (shape, stride)
 
 
-def _stored(saved, member: str | None = None) -> zipfile.ZipInfo:
-    """The record of the tensor data in a weight's file (`saved`, or its `member` in the archive `saved`): one tensor
-    as `torch.save` writes it, itself a zip archive whose one record under data/ is the tensor's storage."""
-    if member is not None:
-        with saved.open(member) as file, zipfile.ZipFile(file) as weight:
-            return _stored(weight)
-    [record] = [info for info in saved.infolist() if info.filename.split("/")[-2:-1] == ["data"]]
-    return record
-
-
 def _read_into(file, destination: torch.Tensor, chunk: int = 1 << 20) -> None:
-    """Reads `file` into the bytes of `destination` a chunk at a time, never holding all of it in between."""
+    """Reads `file` into the bytes of `destination` a chunk at a time, never holding more than a chunk in between."""
     view = memoryview(destination.numpy())
     for start in range(0, len(view), chunk):
-        piece = file.read(min(chunk, len(view) - start))
-        if not piece:
-            raise ValueError(f"a weight's record ends after {start} of {len(view)} bytes")
-        view[start : start + len(piece)] = piece
+        wanted = min(chunk, len(view) - start)
+        if file.readinto(view[start : start + wanted]) != wanted:
+            raise ValueError(f"a weight's record ends within its {len(view)} bytes")
 
 
 # Kernel files a GPU package's runtime opens when it first launches them, after the load: where any is present the

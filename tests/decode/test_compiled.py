@@ -2,6 +2,7 @@
 with the same stopping rules; compiled (fp32, one row and a server's rows) as well as eager. Which kernels the
 compiled steps run (each CPU maker's fp32 table, bf16, int8): tests/decode/test_kernels.py."""
 
+import contextlib
 import json
 import os
 import zipfile
@@ -593,6 +594,70 @@ def test_loading_a_package_pages_out_its_mapped_weights(tmp_path, monkeypatch, k
     assert extracted.exists() == bool(kernel_file)
     assert mappings[0][12345] == content[12345]  # read back from the file when touched again, its name gone or not
     assert mappings[1][(16 << 20) - 1] == content[(32 << 20) - 1]
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_packages_weights_are_read_in_place(tmp_path, monkeypatch, compression):
+    """A weight kept apart is a zip archive (torch.save's) stored inside the package's zip archive. Read through
+    zipfile's reader of a record, every seek backwards went back to the record's start; a record stored
+    uncompressed is read in place instead, with seeks of its own, and gives the same tensor and bytes as zipfile.
+    A compressed one is read whole."""
+    import io
+
+    from minimind.decode import packages
+
+    weight = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    saved = io.BytesIO()
+    torch.save(weight, saved)
+    path = tmp_path / "package.pt2"
+    with zipfile.ZipFile(path, "w", compression) as archive:
+        archive.writestr("step/data/constants/other", b"x" * 1000)
+        archive.writestr("step/data/weights/weight_0", saved.getvalue())
+    seeks = []
+    real_seek = zipfile.ZipExtFile.seek
+    monkeypatch.setattr(zipfile.ZipExtFile, "seek", lambda self, *args: seeks.append(args) or real_seek(self, *args))
+    with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+        record = packages._record(raw, archive, "step/data/weights/weight_0")
+        assert record.read() == saved.getvalue() and record.seek(-8, io.SEEK_END) == len(saved.getvalue()) - 8
+        record.seek(0)
+        assert torch.equal(torch.load(record, weights_only=True), weight)
+        with zipfile.ZipFile(record) as inner:
+            [storage] = [info.filename for info in inner.infolist() if info.filename.split("/")[-2] == "data"]
+            data = packages._record(record, inner, storage)
+            into = torch.empty(64 * 64 * 4, dtype=torch.uint8)
+            packages._read_into(data, into, chunk=1000)
+    assert torch.equal(into.view(torch.float32).reshape(64, 64), weight)
+    assert isinstance(record, packages._Record) == (compression == zipfile.ZIP_STORED)
+    assert seeks == []  # zipfile's reader of a record, never seeking through it
+
+
+def test_a_load_does_not_probe_the_cpus_vector_isas(monkeypatch):
+    """Loading a package asks inductor for the CPU's vector ISA only to warn on a mismatch, and inductor tells it by
+    building and loading a test library per candidate ISA in a subprocess each. The load takes the CPU's flags as
+    given and forgets the answer after it, so that a step compiled later still checks."""
+    from torch._inductor import cpu_vec_isa
+
+    from minimind.decode import packages
+
+    probes = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(str(self)) or True)
+    try:
+        for around in (contextlib.nullcontext, packages._no_isa_probes):
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+            probes.clear()
+            with around():
+                picked = str(cpu_vec_isa.pick_vec_isa())
+            assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == (around is contextlib.nullcontext)
+            counted = len(probes)
+            if around is contextlib.nullcontext:
+                everything, first_pick = counted, picked
+        assert torch._inductor.config.cpp.vec_isa_ok is None
+        assert picked == first_pick
+        # every candidate the CPU's flags name was probed before; now only the extra features some ISAs check
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+            assert counted < everything
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 def test_one_row_steps_keep_their_weights_apart_from_the_library(model, monkeypatch):

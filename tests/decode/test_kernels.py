@@ -201,6 +201,45 @@ def test_fp32_step_kernels_on_amd(model, monkeypatch):
     assert "micro_gemm" in code and "mm_out" not in code and "_mkl_linear" not in code
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("intel", [True, False], ids=["intel", "amd"])
+def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_path, intel):
+    """Under AOTInductor, inductor packs fp32 weights for oneDNN (opaque tensors, which only the library can hold)
+    where torch.compile packs them for MKL. The one-row step's package still multiplies by its table's kernel, and
+    with plain tensors its weights stay apart from the library: on Intel ATen's plain product over [in, out] weights,
+    elsewhere the C++ template, which packs its weights itself. Tokens are generate's either way."""
+    import json
+    import math
+    import zipfile
+
+    monkeypatch.setattr(compiled, "_exportable", compiled.plain_weights)
+    for module in (fp32_products, compiled):
+        monkeypatch.setattr(module, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
+    record = RecordProducts()
+    decoder = CompiledDecoder(model, cache_dir=tmp_path)
+    assert decoder.backend == "aoti"
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass):
+        out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
+    assert torch.equal(out, reference(model, 6, **greedy()))
+    assert (decoder.packages.built, decoder.packages.loaded) == (1, 0)
+    products = 4 * model.config.num_hidden_layers + 1
+    [single] = record.graphs
+    if intel:
+        assert single == ["aten.mm.default"] * products
+    else:  # oneDNN's packed products (some with the residual's add fused in), which the template takes over
+        assert set(single) == {"mkldnn._linear_pointwise.default"}
+    [package] = tmp_path.glob("*.pt2")
+    with zipfile.ZipFile(package) as archive:
+        [config] = [name for name in archive.namelist() if name.endswith("/weights_config.json")]
+        recorded = json.loads(archive.read(config))
+    if intel:
+        # the weights once: each product's [in, out], the tied head multiplying by the embedding the lookup reads
+        held = {file: math.prod(shape) for file, shape, _, _ in recorded.values() if len(shape) == 2}
+        assert sum(held.values()) == sum(weight.numel() for weight in model.parameters() if weight.dim() == 2)
+        names = {name for name, (file, *_) in recorded.items() if held.get(file) == model.lm_head.weight.numel()}
+        assert names == {"model.lm_head.weight"}
+
+
 def test_int8_quantizes_every_projection_per_row():
     """int8 weights quantize every decoder projection and the LM head per row; the embedding stays 16-bit."""
     pytest.importorskip("torchao")
