@@ -458,3 +458,7 @@ def test_header_names_the_cpu_kernels_each_side_was_built_for(monkeypatch):
     assert machine_details()["oneDNN ISA cap"] == "AVX2"
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert "oneDNN ISA cap" not in machine_details()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert machine_details()["MKL instructions cap"] == "AVX2"
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    assert "MKL instructions cap" not in machine_details()
