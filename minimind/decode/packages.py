@@ -183,10 +183,10 @@ class _Record(io.RawIOBase):
 
 def _record(file, archive: zipfile.ZipFile, name: str):
     """The record `name` of `archive` (whose bytes `file` reads): read in place where it is stored uncompressed (as
-    AOTInductor and torch.save store them), else read whole."""
+    AOTInductor and torch.save store them), else read whole into memory first."""
     info = archive.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED:
-        return io.BytesIO(archive.read(info))
+        return _Record(io.BytesIO(archive.read(info)), 0, info.file_size)
     file.seek(info.header_offset)
     header = file.read(30)  # a local file header, the name and an extra field of its own after it
     if header[:4] != b"PK\x03\x04":
