@@ -89,9 +89,9 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
 def _no_isa_probes():
     """Loading a package compares the CPU's vector ISA with the one the package was built for, only to log a warning;
     telling the ISA builds and loads a test library per candidate in a Python subprocess each, most of the load's
-    time. A package's entry is keyed by the CPU's features already (`cpu_material`), so the load takes the
-    ISAs the CPU's flags name as given, and what it learnt so is forgotten after it (a step compiled later in the
-    process still checks its ISA)."""
+    time. A package's entry is keyed by the CPU's features already (`cpu_material`), so the load takes the ISAs the
+    CPU's flags name as given, and what inductor learnt so is forgotten after it (a step compiled later in the
+    process checks its ISAs, as where nothing was loaded)."""
     from torch._inductor import cpu_vec_isa
 
     listing = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
@@ -101,7 +101,20 @@ def _no_isa_probes():
             yield
     finally:
         if not told:
-            listing.cache_clear()
+            forget_isa_checks()
+
+
+def forget_isa_checks() -> None:
+    """Inductor's answers on which vector ISAs this CPU and compiler can use, cleared: its list of them, and each
+    ISA's own check of the extra features it needs (kept per ISA object for the process)."""
+    from torch._inductor import cpu_vec_isa
+
+    for cached in (
+        getattr(cpu_vec_isa, "valid_vec_isa_list", None),
+        *(vars(type(isa)).get("__bool__") for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", ())),
+    ):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -634,30 +634,42 @@ def test_a_packages_weights_are_read_in_place(tmp_path, monkeypatch, compression
 def test_a_load_does_not_probe_the_cpus_vector_isas(monkeypatch):
     """Loading a package asks inductor for the CPU's vector ISA only to warn on a mismatch, and inductor tells it by
     building and loading a test library per candidate ISA in a subprocess each. The load takes the CPU's flags as
-    given and forgets the answer after it, so that a step compiled later still checks."""
+    given and forgets the answer after it, so that a step compiled later checks every ISA again."""
     from torch._inductor import cpu_vec_isa
 
     from minimind.decode import packages
 
     probes = []
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: probes.append(str(self)) or True)
+
+    def forget_everything():
+        packages.forget_isa_checks()
+        # each ISA's base check is kept per value of `cpp.vec_isa_ok`: what the load learnt is never read without it
+        cpu_vec_isa.VecISA._VecISA__bool__impl.cache_clear()
+
+    def checks(around):
+        probes.clear()
+        with around():
+            picked = str(cpu_vec_isa.pick_vec_isa())
+        return picked, len(probes)
+
     try:
-        for around in (contextlib.nullcontext, packages._no_isa_probes):
-            cpu_vec_isa.valid_vec_isa_list.cache_clear()
-            probes.clear()
-            with around():
-                picked = str(cpu_vec_isa.pick_vec_isa())
-            assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == (around is contextlib.nullcontext)
-            counted = len(probes)
-            if around is contextlib.nullcontext:
-                everything, first_pick = counted, picked
-        assert torch._inductor.config.cpp.vec_isa_ok is None
-        assert picked == first_pick
-        # every candidate the CPU's flags name was probed before; now only the extra features some ISAs check
+        forget_everything()  # what the process's earlier compilations learnt
+        picked, everything = checks(contextlib.nullcontext)
+        assert checks(contextlib.nullcontext) == (picked, 0)  # known from here on
+        forget_everything()
+        loaded_picked, on_load = checks(packages._no_isa_probes)
+        assert loaded_picked == picked and torch._inductor.config.cpp.vec_isa_ok is None
+        assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0
+        assert checks(contextlib.nullcontext) == (picked, everything)  # forgotten: all checked again
+        # where the flags name candidates, the load checked fewer of them (only extra features some ISAs check)
         if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-            assert counted < everything
+            assert on_load < everything
+        with packages._no_isa_probes():  # with the answers known, nothing is forgotten
+            pass
+        assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
     finally:
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        forget_everything()
 
 
 def test_one_row_steps_keep_their_weights_apart_from_the_library(model, monkeypatch):
