@@ -82,10 +82,8 @@ class Fp32Products(CustomGraphPass):
                 if embedding is not None:
                     weight_in_out = graph.call_function(torch.ops.aten.permute.default, (embedding, [1, 0]))
                     weight_in_out.meta["val"] = embedding.meta["val"].permute(1, 0)
-                    in_out = stored.t()
-                else:
-                    in_out = stored.t().contiguous()  # [in, out]
-                    weight_in_out = self._constant(graph, inputs, weight, "in_out", in_out)
+                else:  # [in, out]
+                    weight_in_out = self._constant(graph, inputs, weight, "in_out", lambda: stored.t().contiguous())
                 row = self._one_row(graph, inputs)  # [1, in]
                 product = (
                     graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out))
@@ -95,13 +93,17 @@ class Fp32Products(CustomGraphPass):
                 product.meta["val"] = row.meta["val"] @ weight_in_out.meta["val"]
                 if value.dim() == 2:
                     return product
-                return graph.call_function(
-                    torch.ops.aten.view.default, (product, [*value.shape[:-1], in_out.shape[1]])
-                )
+                shape = [*value.shape[:-1], stored.shape[0]]  # [..., out]
+                return graph.call_function(torch.ops.aten.view.default, (product, shape))
             # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
             source = getattr(module, weight.target)
             packed = self._constant(
-                graph, inputs, weight, f"onednn_{rows}", torch.ops.mkldnn._reorder_linear_weight(source, rows), source
+                graph,
+                inputs,
+                weight,
+                f"onednn_{rows}",
+                lambda: torch.ops.mkldnn._reorder_linear_weight(source, rows),
+                lowered_as=source,
             )
             return graph.call_function(
                 torch.ops.mkldnn._linear_pointwise.default, (inputs, packed, bias, "none", [], "")
@@ -123,14 +125,15 @@ class Fp32Products(CustomGraphPass):
         return row
 
     @staticmethod
-    def _constant(graph, inputs, weight, suffix, value, lowered_as=None):
-        """A frozen constant holding `value`, named after `weight`'s, lowered by inductor as `lowered_as` (default:
-        `value` itself) describes it."""
+    def _constant(graph, inputs, weight, suffix, make, lowered_as=None):
+        """A frozen constant holding `make()` (made once per weight and suffix), named after `weight`'s, lowered by
+        inductor as `lowered_as` (default: the constant itself) describes it."""
         module, name = graph.owning_module, f"{weight.target}_{suffix}"
         if not hasattr(module, name):
-            module.register_buffer(name, value)
+            module.register_buffer(name, make())
         node = graph.get_attr(name)
-        node.meta["val"] = inputs.meta["val"].fake_mode.from_tensor(value if lowered_as is None else lowered_as)
+        described = getattr(module, name) if lowered_as is None else lowered_as
+        node.meta["val"] = inputs.meta["val"].fake_mode.from_tensor(described)
         return node
 
     def uuid(self):
