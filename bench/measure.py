@@ -298,6 +298,15 @@ def run_details(device):
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch threads": torch.get_num_threads(),
     }
+    from minimind.heap import USER_SETTINGS, heap_kept
+
+    user_settings = [f"{name}={os.environ[name]}" for name in USER_SETTINGS if name in os.environ]
+    if heap_kept():
+        details["heap"] = "freed memory kept for reuse, as the commands keep it (minimind.heap.keep_heap)"
+    elif user_settings:
+        details["heap"] = "glibc's thresholds as set: " + " ".join(user_settings)
+    else:
+        details["heap"] = "the C library's defaults"
     if hasattr(os, "getloadavg"):
         details["load average at start (1/5/15 min)"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     return details

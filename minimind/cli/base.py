@@ -1,4 +1,5 @@
-"""What every command shares: `command` (bad input ends it in one line, exit 2) and the argument parser."""
+"""What every command shares: `command` (bad input ends it in one line, exit 2; the heap kept for reuse) and the
+argument parser."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ def command(run):
     """A command line: bad input (`minimind.errors.InputError`: a path, a data line, a checkpoint) ends it with the
     message alone and exit code 2, no traceback. Called with
     `argv` it returns what the command made; run as a program (argv=None) it returns None, because console
-    scripts hand the return value to sys.exit, where anything else becomes an error exit."""
+    scripts hand the return value to sys.exit, where anything else becomes an error exit. A program keeps freed
+    memory in its heap for the next forward pass (`minimind.heap.keep_heap`); called from Python, the caller's
+    process is left as it is."""
 
     @functools.wraps(run)
     def main(argv=None):
         from minimind.errors import InputError
+        from minimind.heap import keep_heap
 
+        if argv is None:
+            keep_heap()
         try:
             result = run(argv)
         except InputError as error:

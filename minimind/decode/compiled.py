@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
 from minimind.decode.int8 import int8_activation_products, plain_weights
-from minimind.decode.memory import lazy_zeros, trim_heap, zero_again
+from minimind.decode.memory import lazy_zeros, zero_again
 from minimind.decode.packages import (
     WEIGHTS_APART,
     StepPackages,
@@ -58,6 +58,7 @@ from minimind.decode.packages import (
 )
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.hardware import cpu_computes_natively
+from minimind.heap import trim_heap
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
 # only when its context grows past the next multiple. The steps attend only the written part of the cache, which

@@ -1,6 +1,6 @@
 """Keeping the decoders' resident memory to what they use: zeroed tensors whose memory becomes resident only where
 they are written (`lazy_zeros`: a static KV cache is allocated for a whole `CACHE_BUCKET` of positions, and a reply
-that writes a few hundred of them should not hold the rest), and freed memory handed back (`trim_heap`).
+that writes a few hundred of them should not hold the rest). Freed memory goes back through `minimind.heap.trim_heap`.
 
 On Linux the tensor lies over an anonymous private mapping of its own: the kernel maps a zeroed page in at the first
 write to it, and zeroing the tensor again hands its pages back (`madvise(MADV_DONTNEED)`) instead of writing every
@@ -49,12 +49,3 @@ def madvise(start: int, length: int, advice: int) -> bool:
         return False
     call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return call(start, length, advice) == 0
-
-
-def trim_heap() -> None:
-    """Hands the free memory inside glibc's heap back to the system (`malloc_trim`): blocks freed below others stay
-    resident otherwise. Elsewhere nothing."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass

@@ -36,9 +36,10 @@ from pathlib import Path
 
 import torch
 
-from minimind.decode.memory import MADV_PAGEOUT, madvise, trim_heap
+from minimind.decode.memory import MADV_PAGEOUT, madvise
 from minimind.errors import InputError
 from minimind.hardware import cpuinfo
+from minimind.heap import trim_heap
 
 FORMAT = 2  # bump when what a package holds or how it is called changes
 DEFAULT_MAX_GB = 4.0  # a package holds its model's weights: room for a few models' steps (env var overrides)

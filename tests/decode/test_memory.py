@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import resident_kb
-from minimind.decode.memory import lazy_zeros, trim_heap, zero_again
+from minimind.decode.memory import lazy_zeros, zero_again
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc"
@@ -24,7 +24,6 @@ def test_lazy_zeros_hold_the_pages_written_and_give_them_back():
     zero_again(zeros)
     assert resident_kb(zeros) == 0
     assert zeros.count_nonzero().item() == 0  # read back as zeros (and resident again, having been read)
-    trim_heap()  # glibc's or nothing, never an error
 
 
 def test_zero_again_zeroes_other_tensors_in_place():
