@@ -29,7 +29,7 @@ _kept = False
 def _libc_function(name):
     try:
         return getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):  # not glibc
+    except (OSError, AttributeError, TypeError):  # not glibc (Windows has no process-wide CDLL(None))
         return None
 
 
