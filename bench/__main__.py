@@ -62,7 +62,7 @@ def parser():
 def main(argv=None):
     """The command line; returns the report."""
     args = parser().parse_args(argv)
-    keep_heap()  # every row runs in a process set up as the commands set theirs
+    keep_heap()  # every row runs in a process set up as the inference commands set theirs
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = BenchmarkSettings(

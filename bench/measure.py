@@ -302,7 +302,7 @@ def run_details(device):
 
     user_settings = [f"{name}={os.environ[name]}" for name in USER_SETTINGS if name in os.environ]
     if heap_kept():
-        details["heap"] = "freed memory kept for reuse, as the commands keep it (minimind.heap.keep_heap)"
+        details["heap"] = "freed memory kept for reuse, as the inference commands keep it (minimind.heap.keep_heap)"
     elif user_settings:
         details["heap"] = "glibc's thresholds as set: " + " ".join(user_settings)
     else:

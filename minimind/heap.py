@@ -1,5 +1,6 @@
-"""glibc's heap in a process that runs a model: freed memory kept for the next forward (`keep_heap`, which every
-command sets when it starts) and handed back where a decoder wants its resident memory small (`trim_heap`).
+"""glibc's heap in a process that runs a model: freed memory kept for the next forward (`keep_heap`, which the
+inference commands set when they start) and handed back where a decoder wants its resident memory small
+(`trim_heap`).
 
 A forward pass allocates and frees the same large activations in every layer. glibc returns a freed block to the
 system when it was mapped on its own (above its mmap threshold) or when the free top of the heap passes its trim

@@ -7,7 +7,7 @@ import argparse
 from minimind.cli.base import command, make_parser
 
 
-@command
+@command(keeps_heap=True)
 def evaluate(argv=None):
     """Evaluate a MiniMind directory with lm-evaluation-harness (any task; default the bundled offline
     minimind_facts) and score its tool calls on the bundled tool-use prompts. Prints the table and writes

@@ -76,7 +76,7 @@ def _add_decode_flags(parser):
     )
 
 
-@command
+@command(keeps_heap=True)
 def chat(argv=None):
     """Chat with a MiniMind checkpoint in the terminal, the reply streamed token by token.
 
@@ -135,7 +135,7 @@ def chat(argv=None):
         decoder.wait_prepared()  # a chat left before its first reply still keeps the step for the next start
 
 
-@command
+@command(keeps_heap=True)
 def serve(argv=None):
     """Serve a MiniMind checkpoint over an OpenAI-compatible HTTP API.
 
@@ -276,7 +276,7 @@ def serve(argv=None):
     serving.serve(serving.create_app(generator, api_key=args.api_key or None), host=args.host, port=args.port)
 
 
-@command
+@command(keeps_heap=True)
 def web(argv=None):
     """Chat with a MiniMind checkpoint in the browser (Gradio, `pip install "minimind[web]"`): streamed replies,
     the reasoning of a <think> reply folded, sampling controls, a system prompt and a choice of model on the page.

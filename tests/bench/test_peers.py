@@ -465,13 +465,15 @@ def test_header_names_the_cpu_kernels_each_side_was_built_for(monkeypatch):
 
 
 def test_run_details_say_how_the_heap_is_kept(monkeypatch):
-    """The benchmark keeps the heap as the commands do, and its run details say so, or what the user set."""
+    """The benchmark keeps the heap as the inference commands do, and its run details say so, or what the user set."""
     import minimind.heap
     from bench.measure import run_details
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(minimind.heap, "_kept", True)
-    assert run_details(cpu)["heap"] == "freed memory kept for reuse, as the commands keep it (minimind.heap.keep_heap)"
+    assert run_details(cpu)["heap"] == (
+        "freed memory kept for reuse, as the inference commands keep it (minimind.heap.keep_heap)"
+    )
     monkeypatch.setattr(minimind.heap, "_kept", False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert run_details(cpu)["heap"] == "glibc's thresholds as set: MALLOC_TRIM_THRESHOLD_=131072"

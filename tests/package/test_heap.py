@@ -60,16 +60,26 @@ COMMAND = """
 import sys
 from minimind.cli.base import command
 from minimind.heap import heap_kept
-main = command(lambda argv: print(heap_kept()))
+main = command(keeps_heap=sys.argv[2] == "keeps")(lambda argv: print(heap_kept()))
 main() if sys.argv[1] == "program" else main([])
 """
 
 
-def test_a_command_run_as_a_program_keeps_the_heap_and_a_call_from_python_does_not():
-    assert python(COMMAND, "program") == ["True"]
-    assert python(COMMAND, "call") == ["False"]
+def test_an_inference_command_run_as_a_program_keeps_the_heap_and_nothing_else_does():
+    assert python(COMMAND, "program", "keeps") == ["True"]
+    assert python(COMMAND, "call", "keeps") == ["False"]
+    assert python(COMMAND, "program", "leaves") == ["False"]  # the training commands
     for name in USER_SETTINGS:  # the user's own thresholds stay
-        assert python(COMMAND, "program", env={name: str(64 << 20)}) == ["False"]
+        assert python(COMMAND, "program", "keeps", env={name: str(64 << 20)}) == ["False"]
+
+
+def test_the_inference_commands_keep_the_heap_and_the_training_commands_do_not():
+    import minimind.cli as cli
+
+    commands = ["chat", "serve", "web", "evaluate", "pretrain", "sft", "lora", "dpo", "reward", "distill", "grpo"]
+    commands += ["demo", "prepare", "export", "push_to_hub", "convert", "train_tokenizer"]
+    keeping = {name for name in commands if getattr(cli, name).keeps_heap}
+    assert keeping == {"chat", "serve", "web", "evaluate"}
 
 
 def test_trim_heap_returns_nothing_and_raises_nothing():
