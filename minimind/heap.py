@@ -5,7 +5,7 @@ inference commands set when they start) and handed back where a decoder wants it
 A forward pass allocates and frees the same large activations in every layer. glibc returns a freed block to the
 system when it was mapped on its own (above its mmap threshold) or when the free top of the heap passes its trim
 threshold, and the next allocation of that size is then faulted in again page by page, each page zeroed by the
-kernel: a prompt's forward pass spends a tenth of its time there. PyTorch's CPU tuning guide points to jemalloc or
+kernel, at every forward pass. PyTorch's CPU tuning guide points to jemalloc or
 tcmalloc for the same reason; glibc's own thresholds give the reuse without another library. Elsewhere (not glibc)
 these do nothing."""
 
@@ -37,8 +37,8 @@ def _libc_function(name):
 def keep_heap() -> bool:
     """Keeps freed memory in the heap for reuse (glibc's mmap and trim thresholds fixed at MMAP_THRESHOLD and
     TRIM_THRESHOLD): True where set, False where the user set either threshold or the C library is not glibc."""
-    mallopt = _libc_function("mallopt")
     global _kept
+    mallopt = _libc_function("mallopt")
     if mallopt is None or any(name in os.environ for name in USER_SETTINGS):
         return False
     _kept = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
