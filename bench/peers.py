@@ -223,7 +223,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
     """MiniMind's fast decode path (`minimind.decode.CompiledDecoder`, what `minimind-chat` uses): the greedy
     decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
     `generate` at the same precision. `compile=False`: the same decoder with its steps run eagerly."""
-    from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, fp32_product_kernel
+    from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, SixteenBitProducts, fp32_product_kernel
 
     decoder = CompiledDecoder(model, compile=compile)
 
@@ -235,9 +235,13 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         plain = _minimind_greedy(model, ids, new)
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
         settings = decoder.inductor_settings(ids.shape[0])
-        products = (
-            FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])] if decoder.dtype == torch.float32 else "prepacked weights"
-        ) + (
+        if decoder.dtype == torch.float32:
+            products = FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])]
+        elif isinstance(settings["post_grad_custom_pre_pass"], SixteenBitProducts):
+            products = "one-row products as sums over blocks of weight rows"
+        else:
+            products = "prepacked weights"
+        products += (
             ", autotuned GEMMs"
             if settings["max_autotune"] and "ATEN" in settings["max_autotune_gemm_backends"]
             else ""

@@ -7,6 +7,9 @@ Every name is importable from here; each lives in the module that does its job:
 - `attention`: `grouped_query_sdpa`, the steps' attention, registered as `GROUPED_QUERY_SDPA`.
 - `fp32_products`: the fp32 product kernel per number of rows and CPU maker (`fp32_product_kernel`) and the
   inductor pass that puts it in (`Fp32Products`).
+- `sixteen_bit_products`: one-row products over 16-bit weights on a CPU without 16-bit arithmetic, as sums over
+  blocks of weight rows (`SixteenBitProducts`, `ROW_BLOCKS`).
+- `graph_edits`: what those passes share (a product's input as one row, constants made from a weight).
 - `sampling`: the next token, greedy or through transformers' logits warpers (`sampling_warpers`,
   `choose_tokens`).
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).
@@ -28,6 +31,7 @@ from minimind.decode.fp32_products import (
 from minimind.decode.int8 import int8_activation_products, quantize_weights_int8
 from minimind.decode.rows import RowCache, RowDecoder
 from minimind.decode.sampling import choose_tokens, sampling_warpers
+from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
 from minimind.decode.widened import WIDEN_MIN_ROWS, WidenedLinear, widen_products
 
 __all__ = [
@@ -35,12 +39,14 @@ __all__ = [
     "GROUPED_QUERY_SDPA",
     "INTEL_CPU",
     "ONEDNN_MIN_ROWS",
+    "ROW_BLOCKS",
     "WIDEN_MIN_ROWS",
     "CompiledDecoder",
     "CompiledStep",
     "Fp32Products",
     "RowCache",
     "RowDecoder",
+    "SixteenBitProducts",
     "WidenedLinear",
     "cache_length",
     "choose_tokens",

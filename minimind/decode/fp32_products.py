@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from minimind.decode import graph_edits
+from minimind.decode.graph_edits import frozen_constant, one_row
 from minimind.hardware import cpu_vendor
 
 ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's packed kernel
@@ -83,8 +85,8 @@ class Fp32Products(CustomGraphPass):
                     weight_in_out = graph.call_function(torch.ops.aten.permute.default, (embedding, [1, 0]))
                     weight_in_out.meta["val"] = embedding.meta["val"].permute(1, 0)
                 else:  # [in, out]
-                    weight_in_out = self._constant(graph, inputs, weight, "in_out", lambda: stored.t().contiguous())
-                row = self._one_row(graph, inputs)  # [1, in]
+                    weight_in_out = frozen_constant(graph, inputs, weight, "in_out", lambda: stored.t().contiguous())
+                row = one_row(graph, inputs)  # [1, in]
                 product = (
                     graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out))
                     if bias is None
@@ -97,7 +99,7 @@ class Fp32Products(CustomGraphPass):
                 return graph.call_function(torch.ops.aten.view.default, (product, shape))
             # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
             source = getattr(module, weight.target)
-            packed = self._constant(
+            packed = frozen_constant(
                 graph,
                 inputs,
                 weight,
@@ -109,35 +111,8 @@ class Fp32Products(CustomGraphPass):
                 torch.ops.mkldnn._linear_pointwise.default, (inputs, packed, bias, "none", [], "")
             )
 
-    @staticmethod
-    def _one_row(graph, inputs):
-        """`inputs` (one row, any leading dimensions of size 1) as a [1, in] matrix with the strides (in, 1): inductor
-        gives a one-row view the strides (0, 1), and ATen's product copies such an input first (in every product)
-        because the stride reads as no leading dimension."""
-        value = inputs.meta["val"]
-        width = value.shape[-1]
-        if value.stride(-1) != 1:  # not one run of memory: leave it to ATen
-            row = graph.call_function(torch.ops.aten.reshape.default, (inputs, [1, width]))
-            row.meta["val"] = value.reshape(1, width)
-            return row
-        row = graph.call_function(torch.ops.aten.as_strided.default, (inputs, [1, width], [width, 1]))
-        row.meta["val"] = value.as_strided((1, width), (width, 1))
-        return row
-
-    @staticmethod
-    def _constant(graph, inputs, weight, suffix, make, lowered_as=None):
-        """A frozen constant holding `make()` (made once per weight and suffix), named after `weight`'s, lowered by
-        inductor as `lowered_as` (default: the constant itself) describes it."""
-        module, name = graph.owning_module, f"{weight.target}_{suffix}"
-        if not hasattr(module, name):
-            module.register_buffer(name, make())
-        node = graph.get_attr(name)
-        described = getattr(module, name) if lowered_as is None else lowered_as
-        node.meta["val"] = inputs.meta["val"].fake_mode.from_tensor(described)
-        return node
-
     def uuid(self):
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__, graph_edits.__file__))
 
 
 def _plain_onednn_product(module, node) -> bool:

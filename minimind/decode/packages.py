@@ -47,7 +47,15 @@ STRAY_SECONDS = 24 * 3600  # a half-written file this old belongs to a build tha
 _LOADING = threading.Lock()
 _MALLOC_OFFSET = 16  # bytes: where glibc's malloc starts a block it maps (its header before it)
 _ALIGN = 64  # bytes: where each weight starts in the block the archive's weights are read into, as in the runtime's
-_SOURCES = ("compiled.py", "attention.py", "fp32_products.py", "rows.py", "packages.py")
+_SOURCES = (
+    "compiled.py",
+    "attention.py",
+    "fp32_products.py",
+    "sixteen_bit_products.py",
+    "graph_edits.py",
+    "rows.py",
+    "packages.py",
+)
 
 
 # AOTInductor's settings for a package whose weights are files of their own in the archive (torch.save'd, listed in

@@ -7,6 +7,7 @@ import torch
 
 from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_model
 from minimind.decode import CompiledDecoder, compiled, fp32_product_kernel, fp32_products
+from minimind.decode.sixteen_bit_products import SixteenBitProducts
 from minimind.hardware import cpu_vendor
 
 
@@ -33,39 +34,124 @@ def greedy_gap(model, ids, prompt_length):
 
 def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(int8_model, monkeypatch):
     """16-bit weights on a CPU without 16-bit arithmetic: inductor's C++ template alone, which widens them to fp32
-    in registers; with the arithmetic, or with int8 weights, the template and ATen's products autotuned."""
+    in registers, and one-row steps multiply as blocked sums instead (`SixteenBitProducts`); with the arithmetic,
+    or with int8 weights, the template and ATen's products autotuned, and no pass but float16's one row."""
     native = {torch.bfloat16: False, torch.float16: False}
     monkeypatch.setattr(compiled, "cpu_computes_natively", lambda dtype: native.get(dtype, True))
     for dtype in (torch.bfloat16, torch.float16):
-        settings = CompiledDecoder(tiny_model().to(dtype)).inductor_settings(1)
-        assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP")
+        decoder = CompiledDecoder(tiny_model().to(dtype))
+        for batch in (1, 8):
+            settings = decoder.inductor_settings(batch)
+            assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP")
+        assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
+        assert decoder.inductor_settings(8)["post_grad_custom_pre_pass"] is None
     settings = CompiledDecoder(int8_model).inductor_settings(1)
     assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
-    native[torch.bfloat16] = True
-    settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(8)
-    assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
+    assert settings["post_grad_custom_pre_pass"] is None
+    native.update({torch.bfloat16: True, torch.float16: True})
+    for batch in (1, 8):
+        settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(batch)
+        assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
+        assert settings["post_grad_custom_pre_pass"] is None
+    # float16's one row takes the sums with float16 arithmetic too (oneDNN's product over it decoded slower)
+    decoder = CompiledDecoder(tiny_model().to(torch.float16))
+    assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
+    assert decoder.inductor_settings(8)["post_grad_custom_pre_pass"] is None
     native[torch.bfloat16] = None  # features unknown: as before
-    assert CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(1)["max_autotune_gemm_backends"] == (
-        "CPP,ATEN"
-    )
+    settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(1)
+    assert settings["max_autotune_gemm_backends"] == "CPP,ATEN" and settings["post_grad_custom_pre_pass"] is None
+
+
+class RecordGraph:
+    """An inductor post-grad pass that keeps each graph's (target, shape) of every call and constant."""
+
+    def __init__(self):
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+        graphs = self.graphs = []
+
+        class Record(CustomGraphPass):
+            def __call__(self, graph):
+                module = graph.owning_module
+                graphs.append(
+                    [
+                        (str(node.target), tuple(node.meta["val"].shape))
+                        if node.op == "call_function"
+                        else ("constant", tuple(getattr(module, node.target).shape), getattr(module, node.target))
+                        for node in graph.nodes
+                        if node.op in ("call_function", "get_attr")
+                    ]
+                )
+
+            def uuid(self):
+                return get_hash_for_files((__file__,))
+
+        self.graph_pass = Record()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48)], ids=["[1, in]", "[1, 1, in]"])
+def test_16_bit_one_row_products_become_blocked_sums(dtype, shape):
+    """`SixteenBitProducts` on a frozen one-row product: the product is gone, its weight [40, 48] is cut into 8
+    blocks of 5 rows, each a contiguous constant of its own with exactly those rows, and 8 sums over them; the
+    result is the fp32 product rounded once to the 16-bit type (the sum order may move it by one unit in the last
+    place, never more). Two rows are left to the product as they were."""
+    from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40, bias=False).to(dtype).eval()
+    settings = {"freezing": True, "cpp.weight_prepack": True, "post_grad_custom_pre_pass": SixteenBitProducts()}
+    for rows in (1, 2):
+        x = torch.randn(*shape[:-2], rows, 48).to(dtype)
+        record = RecordGraph()
+        torch._dynamo.reset()
+        with (
+            torch.no_grad(),
+            torch._inductor.config.patch({**settings, "post_grad_custom_post_pass": record.graph_pass}),
+        ):
+            out = torch.compile(linear, fullgraph=True)(x)
+        [graph] = record.graphs
+        calls = [entry[0] for entry in graph if entry[0] != "constant"]
+        products = [target for target in calls if "mm" in target or "linear" in target]
+        if rows == 2:
+            assert len(products) == 1 and "aten.sum.dim_IntList" not in calls
+            continue
+        assert products == [] and calls.count("aten.sum.dim_IntList") == ROW_BLOCKS == 8
+        blocks = [entry[2] for entry in graph if entry[0] == "constant"]
+        assert [tuple(block.shape) for block in blocks] == [(5, 48)] * 8
+        assert all(block.is_contiguous() and block.dtype == dtype for block in blocks)
+        assert torch.equal(torch.cat(blocks), linear.weight.detach())
+        exact = (x.double() @ linear.weight.detach().double().t()).to(dtype)
+        assert out.shape == exact.shape
+        ulps = (out.float() - exact.float()).abs() / torch.finfo(dtype).eps / exact.float().abs().clamp_min(1e-3)
+        assert ulps.max().item() <= 1.0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("native", [True, False], ids=["bf16-arithmetic", "no-bf16-arithmetic"])
-def test_bf16_frozen_weights_decode_greedily(native, monkeypatch):
-    """Compiled bf16 with frozen weights decodes greedily, autotuned or (on a CPU without bf16 arithmetic) through
-    inductor's template alone."""
-    monkeypatch.setattr(compiled, "cpu_computes_natively", lambda dtype: native)
-    model = tiny_model(std=0.3).to(torch.bfloat16)
+@pytest.mark.parametrize(
+    ("dtype", "native"),
+    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)],
+    ids=["bf16-arithmetic", "no-bf16-arithmetic", "fp16-arithmetic"],
+)
+def test_16_bit_frozen_weights_decode_greedily(dtype, native, monkeypatch):
+    """Compiled 16-bit frozen weights decode greedily: bf16 autotuned, or (on a CPU without bf16 arithmetic, and
+    float16 everywhere) as blocked sums (`SixteenBitProducts`: not one matrix product left in the step)."""
+    monkeypatch.setattr(compiled, "cpu_computes_natively", lambda _: native)
+    model = tiny_model(std=0.3).to(dtype)
     decoder = CompiledDecoder(model)
     assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == ("CPP,ATEN" if native else "CPP")
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
+    sums = not native or dtype == torch.float16
     eager = CompiledDecoder(model, compile=False)
+    record = RecordProducts()
     for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
-        out = decoder.generate(prompt, max_new_tokens=40, **greedy())
+        with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
+            out = decoder.generate(prompt, max_new_tokens=40, **greedy())
         plain = eager.generate(prompt, max_new_tokens=40, **greedy())
         assert torch.equal(out[:, : prompt.shape[1] + 20], plain[:, : prompt.shape[1] + 20])
-        assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two bf16 steps at these logits' size
+        assert greedy_gap(model, out, prompt.shape[1]) <= 0.0625  # two 16-bit steps at these logits' size
+    [products] = record.graphs
+    assert (products == []) is sums  # else oneDNN's products (some with an add fused in)
 
 
 class RecordProducts:
