@@ -142,11 +142,13 @@ class CompiledStep:
 
     def _products_pass(self, batch: int, template: bool):
         """The inductor pass that picks the steps' product kernels: fp32's table, or blocked sums for one row of
-        16-bit weights where they decoded faster than the products otherwise taken: bfloat16 without bfloat16
-        arithmetic (the template alone), float16 everywhere (with AVX-512's float16 arithmetic too, oneDNN's)."""
+        16-bit weights on a CPU where they decoded faster than the products otherwise taken: bfloat16 without
+        bfloat16 arithmetic (the template alone), float16 on every CPU (with AVX-512's float16 arithmetic too,
+        oneDNN's)."""
         if self.dtype == torch.float32:
             return Fp32Products()
-        sums = batch == 1 and plain_weights(self.model) and (template or self.dtype == torch.float16)
+        on_cpu = next(self.model.parameters()).device.type == "cpu"  # what was measured
+        sums = on_cpu and batch == 1 and plain_weights(self.model) and (template or self.dtype == torch.float16)
         return SixteenBitProducts() if sums else None
 
     def model_for(self, batch: int):
