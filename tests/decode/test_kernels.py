@@ -326,6 +326,49 @@ def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_
         assert names == {"model.lm_head.weight"}
 
 
+@pytest.mark.slow
+def test_16_bit_one_row_package_holds_each_weight_once(monkeypatch, tmp_path):
+    """A one-row bf16 step on a CPU without bf16 arithmetic, packaged by AOTInductor: every product became blocked
+    sums, the blocks are written as weights apart from the library, and together they hold each product's weight
+    exactly once (the tied head's as a copy of its own: 8 blocks for each of a layer's 4 products, the head's odd-sized
+    weight in one, their elements summing to the model's 2-D weights and the head's); a second decoder loads the
+    package and both decode the eager decoder's greedy tokens."""
+    import json
+    import math
+    import zipfile
+
+    from minimind.decode.sixteen_bit_products import ROW_BLOCKS
+
+    monkeypatch.setattr(compiled, "_exportable", compiled.plain_weights)
+    monkeypatch.setattr(compiled, "cpu_computes_natively", lambda dtype: False)
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    eager = CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=8, **greedy())
+    record = RecordProducts()
+    decoder = CompiledDecoder(model, cache_dir=tmp_path)
+    assert decoder.backend == "aoti"
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass):
+        out = decoder.generate(PROMPT, max_new_tokens=8, **greedy())
+    assert record.graphs == [[]] and (decoder.packages.built, decoder.packages.loaded) == (1, 0)
+    [package] = tmp_path.glob("*.pt2")
+    with zipfile.ZipFile(package) as archive:
+        [config] = [name for name in archive.namelist() if name.endswith("/weights_config.json")]
+        recorded = json.loads(archive.read(config))
+    blocks = [math.prod(shape) for _, shape, _, _ in recorded.values() if len(shape) == 2]
+    config, head = model.config, model.lm_head.weight.numel()
+    outputs = [(config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim, config.hidden_size]
+    outputs += [2 * config.intermediate_size, config.hidden_size]  # each layer's merged q/k/v, o, gate/up, down
+    # as many blocks as divide the outputs evenly, up to ROW_BLOCKS: the tiny vocabulary (97) is one block
+    cuts = [next(n for n in (ROW_BLOCKS, 4, 2, 1) if out % n == 0) for out in outputs]
+    assert config.vocab_size == 97 and cuts == [ROW_BLOCKS] * 4
+    assert len(blocks) == config.num_hidden_layers * sum(cuts) + 1 + 1  # the head, the embedding the lookup reads
+    layers = sum(weight.numel() for weight in model.parameters() if weight.dim() == 2)
+    assert sum(blocks) == layers + head
+    later = CompiledDecoder(model, cache_dir=tmp_path)
+    again = later.generate(PROMPT, max_new_tokens=8, **greedy())
+    assert (later.packages.built, later.packages.loaded) == (0, 1)
+    assert torch.equal(out, eager) and torch.equal(again, eager)
+
+
 def test_int8_quantizes_every_projection_per_row():
     """int8 weights quantize every decoder projection and the LM head per row; the embedding stays 16-bit."""
     pytest.importorskip("torchao")
