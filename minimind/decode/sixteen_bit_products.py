@@ -1,5 +1,5 @@
-"""How a compiled one-row step multiplies by a frozen 16-bit weight on a CPU without arithmetic for that type: as
-sums over the weight's rows, in blocks that inductor runs side by side (`SixteenBitProducts`)."""
+"""How a compiled one-row step multiplies by a frozen 16-bit weight on a CPU whose own products for it are slower:
+as sums over the weight's rows, in blocks that inductor runs side by side (`SixteenBitProducts`)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ _CONVERT = torch.ops.prims.convert_element_type.default
 
 
 class SixteenBitProducts(CustomGraphPass):
-    """An inductor pass for one-row steps over 16-bit weights on a CPU without arithmetic for them: each product of
-    the row by a frozen weight [out, in] becomes `sum(row * weight, -1)` with both widened to fp32 as they are read,
-    the weight split into `ROW_BLOCKS` blocks of its rows (a block of rows each, every one a constant of its own
-    holding those rows). Inductor turns each sum into a loop over contiguous runs of the weight, read in its stored
-    16 bits and widened in registers, and runs the blocks' loops together: a one-row product reads each weight once,
-    so it is bound by how fast the weight arrives. Inductor's C++ GEMM template, what such products get otherwise,
-    reads the same bytes in the tiles of a matrix product, and at one row decoded markedly slower
-    (docs/performance.md, "The precision for the CPU"). The row is computed into memory first (`one_row`), so that
-    what produces it (a norm, an activation) runs once and not inside the loop over every weight row."""
+    """An inductor pass for one-row steps over 16-bit weights (which steps take it: `CompiledStep.inductor_settings`):
+    each product of the row by a frozen weight [out, in] becomes `sum(row * weight, -1)`, both widened to fp32 as
+    they are read, with the weight cut into `ROW_BLOCKS` blocks of rows, each a constant of its own, one sum per
+    block. Inductor turns each sum into a loop over contiguous runs of the weight, read in its stored 16 bits and
+    widened in registers, and runs the blocks' loops together: a one-row product reads each weight once, so it is
+    bound by how fast the weights arrive. Inductor's C++ GEMM template (what bfloat16 gets on a CPU without its
+    arithmetic) and oneDNN's float16 product decoded markedly slower at one row (docs/performance.md, "The precision
+    for the CPU"). The row is computed into memory first (`one_row`), so that what produces it (a norm, an
+    activation) runs once and not inside the loop over every weight row."""
 
     def __call__(self, graph):
         module = graph.owning_module
@@ -34,15 +34,15 @@ class SixteenBitProducts(CustomGraphPass):
             if found is None:
                 continue
             inputs, weight, stored = found
+            value = node.meta["val"]  # [..., out]: the product's own leading dimensions
             with graph.inserting_before(node):
                 sums = _blocked_sums(graph, inputs, weight, stored)  # [1, out] in fp32
-                product = graph.call_function(_CONVERT, (sums, node.meta["val"].dtype))
-                product.meta["val"] = sums.meta["val"].to(node.meta["val"].dtype)
-                shape = list(node.meta["val"].shape)  # the product's own leading dimensions
-                if list(product.meta["val"].shape) != shape:
-                    product_value = product.meta["val"].view(shape)
-                    product = graph.call_function(torch.ops.aten.view.default, (product, shape))
-                    product.meta["val"] = product_value
+                product = _node(graph, _CONVERT, (sums, value.dtype), sums.meta["val"].to(value.dtype))
+                if product.meta["val"].shape != value.shape:
+                    shape = list(value.shape)
+                    product = _node(
+                        graph, torch.ops.aten.view.default, (product, shape), product.meta["val"].view(shape)
+                    )
             node.replace_all_uses_with(product)
             graph.erase_node(node)
         graph.eliminate_dead_code()  # the frozen weights the blocks were cut from go with their last user
@@ -88,7 +88,7 @@ def _one_row_product(module, node):
 
 def _blocked_sums(graph, inputs, weight, stored):
     """sum(row * weight, -1) in fp32 as `ROW_BLOCKS` sums over blocks of the weight's rows, concatenated: [1, out]."""
-    outputs, width = stored.shape
+    outputs = stored.shape[0]
     blocks = ROW_BLOCKS
     while outputs % blocks:
         blocks //= 2
