@@ -7,8 +7,8 @@ Every name is importable from here; each lives in the module that does its job:
 - `attention`: `grouped_query_sdpa`, the steps' attention, registered as `GROUPED_QUERY_SDPA`.
 - `fp32_products`: the fp32 product kernel per number of rows and CPU maker (`fp32_product_kernel`) and the
   inductor pass that puts it in (`Fp32Products`).
-- `sixteen_bit_products`: one-row products over 16-bit weights on a CPU without 16-bit arithmetic, as sums over
-  blocks of weight rows (`SixteenBitProducts`, `ROW_BLOCKS`).
+- `sixteen_bit_products`: one-row products over 16-bit weights on a CPU (bfloat16 without its arithmetic,
+  float16 everywhere), as sums over blocks of weight rows (`SixteenBitProducts`, `ROW_BLOCKS`).
 - `graph_edits`: what those passes share (a product's input as one row, constants made from a weight).
 - `sampling`: the next token, greedy or through transformers' logits warpers (`sampling_warpers`,
   `choose_tokens`).
