@@ -134,7 +134,7 @@ class PeerContext:
         self.batch_prompts = torch.randint(
             3, self.config.vocab_size, (PEER_BATCH, len(self.prompt_ids)), generator=generator
         ).tolist()
-        self._models, self._ggufs, self._references, self._servers = {}, {}, {}, {}
+        self._models, self._ggufs, self._references = {}, {}, {}
 
     @property
     def repeats(self):
@@ -154,38 +154,6 @@ class PeerContext:
                 quantize_weights_int8(model)
             self._models[weights] = model
         return self._models[weights]
-
-    def server(self, weights, engine):
-        """The serving `Generator` for these weights and engine, shared by its rows (a compiled engine compiles
-        its steps once, before its first row)."""
-        if (weights, engine) not in self._servers:
-            from minimind.chat import load_model_and_tokenizer
-            from minimind.serving import Generator, ServerLimits
-
-            model, tokenizer = load_model_and_tokenizer(
-                self.model_dir, "cpu", {"fp32": "float32", "bf16": "bfloat16"}[weights]
-            )
-            new = self.sizes["new_tokens"]
-            # The paged engine sizes its KV cache for max_context x sequences: the model's own 32k context would
-            # ask for gigabytes; the prompts here need a few hundred positions.
-            # quick: the compiled engine's steps run eagerly (its graphs are tested against generate elsewhere)
-            generator = Generator(
-                model,
-                tokenizer,
-                "peers",
-                engine=engine,
-                compile=not self.settings.quick,
-                limits=ServerLimits(
-                    max_context=256, max_tokens=new, default_max_tokens=new, max_concurrent_requests=8, max_batch=8
-                ),
-            )
-            if engine == "compiled" and not self.settings.quick:
-                self.log(
-                    f"serve {weights} compiled: steps compiled for batches {generator.engine.batch_sizes} in "
-                    f"{generator.engine.warm_up():.0f} s"
-                )
-            self._servers[weights, engine] = generator
-        return self._servers[weights, engine]
 
     def gguf(self, outtype):
         from minimind.export import export_gguf

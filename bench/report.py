@@ -193,16 +193,16 @@ PEER_NOTES = """\
   padded = every sample padded to 512 (upstream MiniMind), packed = `--padding_free`. tok/s counts real
   (non-pad) tokens; the first step is left out of the timing. padded-compiled = padded with the model under
   `torch.compile`, as the Trainer's `--torch_compile` runs it (the first step compiles forward and backward).
-- serve: the OpenAI-compatible server on loopback, fp32 or bf16 weights, torch's threads; each client streams
-  its greedy completions one after another, each as many tokens as a decode row generates, after the decode rows'
-  prompt with the client's and the request's numbers appended, so that one client compares with the compiled
-  decoder row on the same work; tok/s = completion tokens of all clients / wall time, the median
-  of the rounds, in which a server's 1- and 8-client rows take turns (ratios within each round). The default
-  engine is transformers' continuous batching; compiled = `--engine compiled` (`CompiledDecoder`'s steps over a
-  static cache with a position per row, compiled for batches 1, 2, 4 and 8 before the first row). The note gives
-  the percentiles (nearest rank) of the requests' latencies over all rounds: to the first streamed token, and to
-  the end of the request. Each server's engine is stopped after its rows, so that no other engine's thread runs
-  beside the next server's.
+- serve: the OpenAI-compatible server on loopback, run as users run it: the serve command in a process of its own,
+  started for its rows and stopped after them, with the benchmark's `--threads`; the clients run in the
+  benchmark's process. fp32 or bf16 weights; each client streams its greedy completions one after another, each
+  as many tokens as a decode row generates, after the decode rows' prompt with the client's and the request's
+  numbers appended, so that one client compares with the compiled decoder row on the same work; tok/s =
+  completion tokens of all clients / wall time, the median of the rounds, in which a server's 1- and 8-client
+  rows take turns (ratios within each round). The default engine is transformers' continuous batching; compiled
+  = `--engine compiled` (`CompiledDecoder`'s steps over a static cache with a position per row, compiled for
+  batches 1, 2, 4 and 8 before the server answers). The note gives the percentiles (nearest rank) of the
+  requests' latencies over all rounds: to the first streamed token, and to the end of the request.
 """
 
 

@@ -1,11 +1,22 @@
 """The peers table's serve rows: the OpenAI-compatible server on loopback, 1 and 8 clients streaming greedy
-completions, total completion tokens per second."""
+completions, total completion tokens per second. The server runs as users run it, `minimind-serve` in a process of
+its own (`server_process`), and the clients in the benchmark's."""
 
+import contextlib
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
 
 from bench.measure import alternating_rounds
 from bench.workloads import PEER_PROMPT, PeerRow
+
+SERVE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "serve.py")
+# A first start of the compiled engine builds its steps for every batch size; 16-bit weights autotune their
+# kernels while building, which takes minutes on a CPU.
+START_TIMEOUT = 3600
 
 
 def serving_missing():
@@ -44,6 +55,86 @@ def _stream_completion(http, prompt, max_tokens, latencies=None):
     return usage["completion_tokens"]
 
 
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _log_tail(path, lines=20):
+    with open(path, encoding="utf-8", errors="replace") as log:
+        return "".join(log.readlines()[-lines:])
+
+
+@contextlib.contextmanager
+def server_process(ctx, weights, engine):
+    """`minimind-serve` over the peers model (`scripts/serve.py` of this checkout) in a process of its own, for
+    these weights and engine: yields its base URL once `/v1/models` answers, and the seconds from launch to then;
+    stopped on exit. In the benchmark's own process, the clients' threads would take turns with the server's
+    event loop and engine for Python's lock, which no deployment shares, and the models of the rows before it
+    would stay resident beside it. Its output goes to a log in the work directory, whose last lines a failed start
+    reports."""
+    import httpx
+
+    new, port = ctx.sizes["new_tokens"], _free_port()
+    command = [
+        sys.executable,
+        SERVE_SCRIPT,
+        "--model_name_or_path",
+        ctx.model_dir,
+        "--served_model_name",
+        "peers",
+        "--device",
+        "cpu",
+        "--dtype",
+        {"fp32": "float32", "bf16": "bfloat16"}[weights],
+        "--engine",
+        engine,
+        "--port",
+        str(port),
+        # The paged engine sizes its KV cache for max_context x sequences: the model's own 32k context would ask
+        # for gigabytes; the prompts here need a few hundred positions.
+        "--max_context",
+        "256",
+        "--max_tokens",
+        str(new),
+        "--default_max_tokens",
+        str(new),
+        "--max_concurrent_requests",
+        "8",
+        "--max_batch",
+        "8",
+    ]
+    if engine == "compiled" and ctx.settings.quick:
+        command.append("--no-compile")  # quick: its steps run eagerly (tests/decode checks the compiled ones)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(ctx.threads)} if ctx.threads else {}))
+    log_path = os.path.join(ctx.workdir, f"serve-{weights}-{engine}.log")
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url, started = f"http://127.0.0.1:{port}", time.perf_counter()
+    try:
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"minimind-serve exited with code {process.returncode} before answering "
+                    f"({' '.join(command)}):\n{_log_tail(log_path)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                    break
+            if time.perf_counter() - started > START_TIMEOUT:
+                raise RuntimeError(f"minimind-serve did not answer within {START_TIMEOUT} s:\n{_log_tail(log_path)}")
+            time.sleep(0.2)
+        yield url, time.perf_counter() - started
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def percentiles(values, points=(50, 90, 99)):
     """The nearest-rank percentiles of `values` (as many as there are requests: no interpolation)."""
     ordered = sorted(values)
@@ -66,14 +157,12 @@ def measure_serve(workloads, ctx):
         for row in rows:
             row.skipped = missing
         return rows
-    from minimind.serving import create_app, serve_in_thread
-
     engine = "compiled" if workloads[0].engine.endswith("compiled") else "paged"
-    generator = ctx.server(workloads[0].weights, engine)
 
     import httpx
 
-    with serve_in_thread(create_app(generator)) as url:
+    with server_process(ctx, workloads[0].weights, engine) as (url, ready):
+        ctx.log(f"serve {workloads[0].weights} {engine}: answering {ready:.0f} s after launch")
         # Each client keeps one client object and its connection, as the openai client does: building one per
         # request (its TLS context included) costs time on the cores the server runs on (docs/performance.md).
         https = [httpx.Client(base_url=url, timeout=600) for _ in range(max(map(_clients, workloads)))]
@@ -103,10 +192,6 @@ def measure_serve(workloads, ctx):
             run(row)
         for http in https:
             http.close()
-    # The engine's thread keeps its team of OpenMP workers while it lives: left running beside the next server's,
-    # GNU OpenMP would count more threads than cores and stop the workers of both spinning between parallel
-    # regions, slowing every server measured after this one (docs/ecosystem-serve.md).
-    generator.engine.stop()
     for row in rows:
         clients = _clients(row.workload)
         first, whole = zip(*latencies[row.workload.row_id])

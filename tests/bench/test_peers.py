@@ -352,15 +352,16 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
     import types
 
     import bench.serve
-    import minimind.serving
 
     started, completions, stopped = [], [], []
-    monkeypatch.setattr(minimind.serving, "create_app", lambda generator: ("app", generator.name))
-    monkeypatch.setattr(
-        minimind.serving,
-        "serve_in_thread",
-        contextlib.contextmanager(lambda app: (started.append(app), (yield "http://127.0.0.1:1"))),
-    )
+
+    @contextlib.contextmanager
+    def server(ctx, weights, engine):
+        started.append((weights, engine))
+        yield "http://127.0.0.1:1", 5.0
+        stopped.append(len(completions))
+
+    monkeypatch.setattr(bench.serve, "server_process", server)
 
     def completion(http, prompt, max_tokens, latencies=None):
         completions.append(prompt)
@@ -372,20 +373,13 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
     clock = iter(range(1000))  # each reading one second after the last
     monkeypatch.setattr(bench.serve, "_stream_completion", completion)
     monkeypatch.setattr(bench.serve.time, "perf_counter", lambda: float(next(clock)))
-    ctx = types.SimpleNamespace(
-        repeats=3,
-        sizes=dict(new_tokens=4, serve_requests=2),
-        log=lambda line: None,
-        server=lambda weights, engine: types.SimpleNamespace(
-            name=f"{weights} {engine}", engine=types.SimpleNamespace(stop=lambda: stopped.append(len(completions)))
-        ),
-    )
+    ctx = types.SimpleNamespace(repeats=3, sizes=dict(new_tokens=4, serve_requests=2), log=lambda line: None)
     workloads = [
         w for w in peer_workloads() if w.row_id in ("peers-serve-1-clients-bf16", "peers-serve-8-clients-bf16")
     ]
     one, eight = bench.serve.measure_serve(workloads, ctx)
-    assert started == [("app", "bf16 paged")]  # one server for both rows
-    assert stopped == [len(completions)] == [1 + 3 * (2 + 16)]  # its engine's thread ends after every completion
+    assert started == [("bf16", "paged")]  # one server for both rows
+    assert stopped == [len(completions)] == [1 + 3 * (2 + 16)]  # stopped after every completion
     # after one warm-up completion, three rounds: 1 then 8 clients, 8 then 1, 1 then 8; each client asks twice
     assert completions[0] == PEER_PROMPT
     sizes = [2, 16, 16, 2, 2, 16]
@@ -480,3 +474,37 @@ def test_run_details_say_how_the_heap_is_kept(monkeypatch):
     monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert run_details(cpu)["heap"] == "the C library's defaults"
+
+
+@pytest.mark.skipif(bool(serving_missing()), reason=serving_missing() or "")
+def test_server_runs_in_a_process_of_its_own(tmp_path):
+    """The serve rows' server is `minimind-serve` in another process, answering on the URL it yields and gone
+    after the rows; a server that cannot start is reported with its exit code and its own last lines."""
+    import types
+
+    import httpx
+
+    from bench.serve import server_process
+    from conftest import model_dir
+
+    model_dir(tmp_path / "model")
+    ctx = types.SimpleNamespace(
+        model_dir=str(tmp_path / "model"),
+        sizes=dict(new_tokens=4),
+        settings=types.SimpleNamespace(quick=True),
+        threads=1,
+        workdir=str(tmp_path),
+        log=lambda line: None,
+    )
+    with server_process(ctx, "fp32", "paged") as (url, ready):
+        assert [model["id"] for model in httpx.get(f"{url}/v1/models").json()["data"]] == ["peers"]
+        assert ready > 0
+    # uvicorn's start-up line, which only a server process of its own writes to the log
+    assert f"Uvicorn running on {url}" in (tmp_path / "serve-fp32-paged.log").read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/v1/models")
+    ctx.model_dir = str(tmp_path / "missing")
+    with pytest.raises(RuntimeError, match=r"minimind-serve exited with code 2 before answering") as error:
+        with server_process(ctx, "bf16", "compiled"):
+            pass
+    assert str(error.value).endswith(f"):\nerror: no such directory: {ctx.model_dir}\n")
