@@ -13,7 +13,8 @@ import time
 from bench.measure import alternating_rounds
 from bench.workloads import PEER_PROMPT, PeerRow
 
-SERVE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "serve.py")
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVE_SCRIPT = os.path.join(CHECKOUT, "scripts", "serve.py")
 # A first start of the compiled engine builds its steps for every batch size; 16-bit weights autotune their
 # kernels while building, which takes minutes on a CPU.
 START_TIMEOUT = 3600
@@ -107,7 +108,11 @@ def server_process(ctx, weights, engine):
     ]
     if engine == "compiled" and ctx.settings.quick:
         command.append("--no-compile")  # quick: its steps run eagerly (tests/decode checks the compiled ones)
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(ctx.threads)} if ctx.threads else {}))
+    # the checkout's package first, as the benchmark itself imports it when run from the checkout uninstalled
+    paths = [CHECKOUT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    if ctx.threads:
+        env["OMP_NUM_THREADS"] = str(ctx.threads)
     log_path = os.path.join(ctx.workdir, f"serve-{weights}-{engine}.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

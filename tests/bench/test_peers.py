@@ -508,3 +508,59 @@ def test_server_runs_in_a_process_of_its_own(tmp_path):
         with server_process(ctx, "bf16", "compiled"):
             pass
     assert str(error.value).endswith(f"):\nerror: no such directory: {ctx.model_dir}\n")
+
+
+def test_server_process_runs_this_checkout_with_the_benchmarks_threads(monkeypatch, tmp_path):
+    """The serve rows' server is this checkout's serve command, importing this checkout's package first (a user's
+    own PYTHONPATH after it), with the benchmark's thread count and the rows' limits."""
+    import types
+
+    import bench.serve
+
+    launched = []
+
+    class Exited:  # a server that exits at once
+        returncode = 3
+
+        def __init__(self, command, env, **kwargs):
+            launched.append((command, env))
+
+        def poll(self):
+            return self.returncode
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return self.returncode
+
+    monkeypatch.setattr(bench.serve.subprocess, "Popen", Exited)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    ctx = types.SimpleNamespace(
+        model_dir="/models/peers",
+        sizes=dict(new_tokens=128),
+        settings=types.SimpleNamespace(quick=False),
+        threads=2,
+        workdir=str(tmp_path),
+    )
+    with pytest.raises(RuntimeError, match=r"^minimind-serve exited with code 3 before answering"):
+        with bench.serve.server_process(ctx, "bf16", "compiled"):
+            pass
+    [(command, env)] = launched
+    assert command[1] == os.path.join(ROOT, "scripts", "serve.py")
+    assert env["PYTHONPATH"] == os.pathsep.join([ROOT, "/elsewhere"]) and env["OMP_NUM_THREADS"] == "2"
+    flags = dict(zip(command[2::2], command[3::2]))
+    assert flags == {
+        "--model_name_or_path": "/models/peers",
+        "--served_model_name": "peers",
+        "--device": "cpu",
+        "--dtype": "bfloat16",
+        "--engine": "compiled",
+        "--port": flags["--port"],
+        "--max_context": "256",
+        "--max_tokens": "128",
+        "--default_max_tokens": "128",
+        "--max_concurrent_requests": "8",
+        "--max_batch": "8",
+    }
+    assert 0 < int(flags["--port"]) < 65536 and len(command) == 2 + 2 * len(flags)  # compiled: no --no-compile
