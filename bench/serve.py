@@ -78,34 +78,22 @@ def server_process(ctx, weights, engine):
     import httpx
 
     new, port = ctx.sizes["new_tokens"], _free_port()
-    command = [
-        sys.executable,
-        SERVE_SCRIPT,
-        "--model_name_or_path",
-        ctx.model_dir,
-        "--served_model_name",
-        "peers",
-        "--device",
-        "cpu",
-        "--dtype",
-        {"fp32": "float32", "bf16": "bfloat16"}[weights],
-        "--engine",
-        engine,
-        "--port",
-        str(port),
+    flags = {
+        "--model_name_or_path": ctx.model_dir,
+        "--served_model_name": "peers",
+        "--device": "cpu",
+        "--dtype": {"fp32": "float32", "bf16": "bfloat16"}[weights],
+        "--engine": engine,
+        "--port": port,
         # The paged engine sizes its KV cache for max_context x sequences: the model's own 32k context would ask
         # for gigabytes; the prompts here need a few hundred positions.
-        "--max_context",
-        "256",
-        "--max_tokens",
-        str(new),
-        "--default_max_tokens",
-        str(new),
-        "--max_concurrent_requests",
-        "8",
-        "--max_batch",
-        "8",
-    ]
+        "--max_context": 256,
+        "--max_tokens": new,
+        "--default_max_tokens": new,
+        "--max_concurrent_requests": 8,
+        "--max_batch": 8,
+    }
+    command = [sys.executable, SERVE_SCRIPT, *(str(part) for flag in flags.items() for part in flag)]
     if engine == "compiled" and ctx.settings.quick:
         command.append("--no-compile")  # quick: its steps run eagerly (tests/decode checks the compiled ones)
     # the checkout's package first, as the benchmark itself imports it when run from the checkout uninstalled
