@@ -17,6 +17,7 @@ import sys
 import torch
 
 from bench import run_benchmark
+from bench.measure import inductor_cache_of_caps
 from bench.report import merge_results
 from bench.workloads import TABLES, BenchmarkSettings
 from minimind.heap import keep_heap
@@ -63,6 +64,8 @@ def main(argv=None):
     """The command line; returns the report."""
     args = parser().parse_args(argv)
     keep_heap()  # every row runs in a process set up as the inference commands set theirs
+    if directory := inductor_cache_of_caps():
+        print(f"inductor's cache for these CPU caps: {directory}", file=sys.stderr, flush=True)
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = BenchmarkSettings(

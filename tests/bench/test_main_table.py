@@ -12,7 +12,7 @@ import torch
 from bench import run_benchmark
 from bench.__main__ import main as bench_main
 from bench.__main__ import parser as bench_parser
-from bench.measure import describe_cpu_features
+from bench.measure import CPU_CAPS, describe_cpu_features, inductor_cache_of_caps
 from bench.qwen3 import build_pair, matmul_params_per_token
 from bench.report import MAIN_TITLE, TABLE_COLUMNS
 from bench.workloads import BenchmarkSettings, default_workloads, model_shapes, select_workloads
@@ -116,6 +116,53 @@ def test_cpu_features_name_vector_matrix_extensions():
     assert describe_cpu_features({"fp", "asimd", "sve"}) == "NEON, SVE"
     assert describe_cpu_features({"sse4_2"}) == "none of AVX2, AVX-512, AMX, NEON, SVE"
     assert describe_cpu_features(set()) == "not read (no /proc/cpuinfo)"
+
+
+@pytest.fixture
+def uncapped(monkeypatch, tmp_path):
+    """No CPU cap and no inductor directory set; inductor's default directory under tmp_path. monkeypatch puts every
+    variable back afterwards, the ones the code under test sets included."""
+    for name in (*CPU_CAPS, "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    default = str(tmp_path / "torchinductor_user")
+    monkeypatch.setattr("torch._inductor.runtime.cache_dir_utils.default_cache_dir", lambda: default)
+    return default
+
+
+def test_inductor_cache_is_apart_under_cpu_caps(uncapped, monkeypatch):
+    assert inductor_cache_of_caps() is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", uncapped)  # as importing inductor sets it
+    apart = uncapped + "-ATEN_CPU_CAPABILITY_avx2-ONEDNN_MAX_CPU_ISA_AVX2"
+    assert inductor_cache_of_caps() == apart and os.environ["TORCHINDUCTOR_CACHE_DIR"] == apart
+    # inductor reads the variable at each use: what it compiles from here on lands in the caps' directory
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x.sin() + 1, backend="inductor")
+    x = torch.arange(8.0)
+    torch.testing.assert_close(compiled(x), x.sin() + 1)
+    assert glob.glob(os.path.join(apart, "**", "*.py"), recursive=True), os.listdir(apart)
+    assert not os.path.exists(uncapped)
+    # a directory chosen by hand stays
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/chosen")
+    assert inductor_cache_of_caps() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/chosen"
+
+
+def test_bench_sets_the_caps_directory_before_any_row(uncapped, monkeypatch, capsys):
+    seen = []
+
+    class Report:
+        table = staticmethod(lambda: "")
+
+    def run_benchmark(settings, log, on_row):
+        seen.append(os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+        return Report()
+
+    monkeypatch.setattr("bench.__main__.run_benchmark", run_benchmark)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    bench_main(["--output", "-"])
+    assert seen == [uncapped + "-MKL_ENABLE_INSTRUCTIONS_AVX2"]
+    assert f"inductor's cache for these CPU caps: {seen[0]}" in capsys.readouterr().err
 
 
 def test_documented_bench_commands_parse():
