@@ -158,11 +158,6 @@ def copy_bandwidth(quick, repeats=5):
     return 2 * src.numel() * src.element_size() / best
 
 
-# The environment's caps that imitate an older CPU on this one (docs/performance.md): PyTorch's own kernels and the
-# vector ISA inductor builds for (ATEN_CPU_CAPABILITY), oneDNN's kernels, MKL's.
-CPU_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
 def inductor_cache_of_caps():
     """Under a cap, inductor's cache becomes a directory of its own for the caps set (TORCHINDUCTOR_CACHE_DIR, for
     this process and the servers it starts); returns it, or None where no cap is set or the directory was chosen by
@@ -172,7 +167,9 @@ def inductor_cache_of_caps():
     Call it before anything compiles."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    caps = [f"{name}_{os.environ[name]}" for name in CPU_CAPS if os.environ.get(name)]
+    from minimind.hardware import cpu_caps
+
+    caps = [f"{name}_{value}" for name, value in cpu_caps().items()]
     if not caps or os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir():
         return None
     tag = "-".join("".join(c if c.isalnum() or c == "_" else "_" for c in cap) for cap in caps)

@@ -68,6 +68,13 @@ ONEDNN_ISA_KEEPS = {
     "AVX10_1_512_AMX": _VNNI | _BF16 | _FP16 | _AMX,
 }
 ATEN_CAPABILITY_KEEPS = {"default": set(), "avx2": {"avx_vnni"}}
+# Every variable that caps the instructions kernels use: PyTorch's own and inductor's generated code, oneDNN's, MKL's.
+CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def cpu_caps() -> dict[str, str]:
+    """The caps the environment sets (`CAP_VARIABLES`), by variable: {} on a CPU used as it is."""
+    return {name: os.environ[name] for name in CAP_VARIABLES if os.environ.get(name)}
 
 
 def usable_cpu_features() -> frozenset[str] | None:

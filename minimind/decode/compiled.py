@@ -58,7 +58,7 @@ from minimind.decode.packages import (
 )
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.decode.sixteen_bit_products import SixteenBitProducts
-from minimind.hardware import cpu_computes_natively
+from minimind.hardware import cpu_caps, cpu_computes_natively
 from minimind.heap import trim_heap
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
@@ -200,8 +200,14 @@ class CompiledStep:
     @contextlib.contextmanager
     def _compile_settings(self, batch):
         # capture_scalar_outputs: the steps' attention reads how much of the cache is filled (_filled_length)
+        # fx_graph_cache: inductor's graph cache leaves the environment's CPU caps out of its key, so under a cap it
+        # would load the kernels an uncapped process built (AVX-512 ones under ATEN_CPU_CAPABILITY=avx2); packages
+        # are keyed by the caps (`cpu_material`).
+        settings = self.inductor_settings(batch)
+        if cpu_caps():
+            settings["fx_graph_cache"] = False
         with (
-            torch._inductor.config.patch(self.inductor_settings(batch)),
+            torch._inductor.config.patch(settings),
             torch._dynamo.config.patch(capture_scalar_outputs=True),
         ):
             yield

@@ -38,7 +38,7 @@ import torch
 
 from minimind.decode.memory import MADV_PAGEOUT, madvise
 from minimind.errors import InputError
-from minimind.hardware import cpuinfo
+from minimind.hardware import cpu_caps, cpuinfo
 from minimind.heap import trim_heap
 
 FORMAT = 2  # bump when what a package holds or how it is called changes
@@ -308,8 +308,7 @@ def cpu_material() -> dict:
         "machine": platform.machine(),
         "processor": platform.processor(),
         "cpuinfo": info,
-        "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
-        "ONEDNN_MAX_CPU_ISA": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "caps": cpu_caps(),
     }
 
 

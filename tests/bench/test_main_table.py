@@ -12,11 +12,12 @@ import torch
 from bench import run_benchmark
 from bench.__main__ import main as bench_main
 from bench.__main__ import parser as bench_parser
-from bench.measure import CPU_CAPS, describe_cpu_features, inductor_cache_of_caps
+from bench.measure import describe_cpu_features, inductor_cache_of_caps
 from bench.qwen3 import build_pair, matmul_params_per_token
 from bench.report import MAIN_TITLE, TABLE_COLUMNS
 from bench.workloads import BenchmarkSettings, default_workloads, model_shapes, select_workloads
 from conftest import ROOT
+from minimind.hardware import CAP_VARIABLES
 
 
 def _table_rows(markdown):
@@ -122,7 +123,7 @@ def test_cpu_features_name_vector_matrix_extensions():
 def uncapped(monkeypatch, tmp_path):
     """No CPU cap and no inductor directory set; inductor's default directory under tmp_path. monkeypatch puts every
     variable back afterwards, the ones the code under test sets included."""
-    for name in (*CPU_CAPS, "TORCHINDUCTOR_CACHE_DIR"):
+    for name in (*CAP_VARIABLES, "TORCHINDUCTOR_CACHE_DIR"):
         monkeypatch.delenv(name, raising=False)
     default = str(tmp_path / "torchinductor_user")
     monkeypatch.setattr("torch._inductor.runtime.cache_dir_utils.default_cache_dir", lambda: default)

@@ -23,6 +23,7 @@ from minimind.decode import (
     fp32_product_kernel,
     grouped_query_sdpa,
 )
+from minimind.hardware import CAP_VARIABLES
 
 
 @pytest.fixture(autouse=True)
@@ -262,6 +263,36 @@ def test_failed_compile_warns_and_runs_eager(model):
     assert torch.equal(out, CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=12, **greedy()))
 
 
+@pytest.mark.slow
+def test_steps_compiled_in_the_process_skip_inductors_graph_cache_under_cpu_caps(monkeypatch):
+    """Inductor's graph cache leaves the environment's CPU caps out of its key (under ATEN_CPU_CAPABILITY=avx2 it
+    loaded AVX-512 kernels an uncapped process had built): under a cap, a step torch.compile builds in the process
+    (int8 weights, which cannot be exported into a package) is compiled, never loaded from that cache. Uncapped,
+    the same step compiled again is a hit: the cache is in play."""
+    pytest.importorskip("torchao")
+    from torch._dynamo.utils import counters
+
+    from minimind.decode import quantize_weights_int8
+
+    model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
+    for name in CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+    def compiled_in_the_process():
+        decoder = CompiledDecoder(model)
+        counters.clear()
+        tokens = decoder.generate(PROMPT, max_new_tokens=4, **greedy())
+        assert decoder.backend == "inductor" and decoder.compiled
+        return tokens, counters["inductor"]["fxgraph_cache_hit"]
+
+    first, _ = compiled_in_the_process()
+    again, hits = compiled_in_the_process()
+    assert hits == 1 and torch.equal(again, first)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # a cap with no effect on the code: only the key is at stake
+    capped, hits = compiled_in_the_process()
+    assert hits == 0 and torch.equal(capped, first)
+
+
 def poison_unwritten_positions(decoder, monkeypatch):
     """Before each step, NaN in every cache position past the last one the step writes (rows at their own positions:
     the furthest): a step that read any of them would turn its logits to NaN."""
@@ -463,6 +494,9 @@ def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch)
     }
     monkeypatch.setattr(torch, "__version__", "0.0.0+other")
     changed["torch"] = material(CompiledDecoder(model))
+    monkeypatch.undo()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # a cap on the instructions inductor builds for
+    changed["cap"] = material(CompiledDecoder(model))
     monkeypatch.undo()
     monkeypatch.setattr(packages, "cpu_material", lambda: {"capability": "AVX2", "cpuinfo": {}})
     changed["cpu"] = material(CompiledDecoder(model))

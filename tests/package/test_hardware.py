@@ -80,6 +80,16 @@ def test_cpu_vendor_from_cpuinfo_then_platform(cpuinfo, tmp_path, monkeypatch):
     assert hardware.cpu_vendor() == ""
 
 
+def test_cpu_caps_are_the_variables_set(monkeypatch):
+    for name in hardware.CAP_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert hardware.cpu_caps() == {}
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "")  # set but empty: no cap
+    assert hardware.cpu_caps() == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
 @pytest.mark.parametrize(
     ("caps", "bf16", "int8"),
     [
