@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.measure import CHECKOUT, child_env
 from bench.workloads import row_matches
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(CHECKOUT)
 OLD_COMMIT = "2bd4f79"  # the last commit with the single-process, in-memory minimind/data.py
 SIZES_MB = (10, 100, 500)
 QUICK_SIZES_MB = (1,)
@@ -123,11 +124,7 @@ def replicate(source: Path, megabytes: float, target: Path) -> Path:
 
 
 def _env():
-    return {
-        **os.environ,
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "HF_HUB_OFFLINE": "1",
-    }
+    return child_env(HF_HUB_OFFLINE="1")
 
 
 def _memory(process):

@@ -158,6 +158,17 @@ def copy_bandwidth(quick, repeats=5):
     return 2 * src.numel() * src.element_size() / best
 
 
+# The checkout the benchmark runs from (bench/ is not installed).
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child_env(**settings) -> dict:
+    """The environment of a process the benchmark starts, with `settings` added: this checkout's package first on
+    PYTHONPATH, as the benchmark itself imports it (installed or not), a user's own entries after it."""
+    paths = [CHECKOUT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **settings}
+
+
 def inductor_cache_of_caps():
     """Under a cap, inductor's cache becomes a directory of its own for the caps set (TORCHINDUCTOR_CACHE_DIR, for
     this process and the servers it starts); returns it, or None where no cap is set or the directory was chosen by

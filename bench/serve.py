@@ -10,10 +10,9 @@ import subprocess
 import sys
 import time
 
-from bench.measure import alternating_rounds
+from bench.measure import CHECKOUT, alternating_rounds, child_env
 from bench.workloads import PEER_PROMPT, PeerRow
 
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVE_SCRIPT = os.path.join(CHECKOUT, "scripts", "serve.py")
 # A first start of the compiled engine builds its steps for every batch size; 16-bit weights autotune their
 # kernels while building, which takes minutes on a CPU.
@@ -96,11 +95,7 @@ def server_process(ctx, weights, engine):
     command = [sys.executable, SERVE_SCRIPT, *(str(part) for flag in flags.items() for part in flag)]
     if engine == "compiled" and ctx.settings.quick:
         command.append("--no-compile")  # quick: its steps run eagerly (tests/decode checks the compiled ones)
-    # the checkout's package first, as the benchmark itself imports it when run from the checkout uninstalled
-    paths = [CHECKOUT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    if ctx.threads:
-        env["OMP_NUM_THREADS"] = str(ctx.threads)
+    env = child_env(**({"OMP_NUM_THREADS": str(ctx.threads)} if ctx.threads else {}))
     log_path = os.path.join(ctx.workdir, f"serve-{weights}-{engine}.log")
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
