@@ -30,7 +30,8 @@ def serving_missing():
 
 def _stream_completion(http, prompt, max_tokens, latencies=None):
     """One streaming greedy completion through `http` (an httpx.Client on the server); the completion tokens the
-    server's usage chunk reports. `latencies` (a list) gets (seconds to the first token, seconds to the end)."""
+    server's usage chunk reports. `latencies` (a list) gets (seconds to the first token, seconds to the end, the
+    chunks that carried text)."""
     import json
 
     body = {
@@ -41,17 +42,18 @@ def _stream_completion(http, prompt, max_tokens, latencies=None):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    usage, start, first = None, time.perf_counter(), None
+    usage, start, first, pieces = None, time.perf_counter(), None, 0
     with http.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[len("data: ") :])
-                if first is None and any(choice.get("text") for choice in chunk.get("choices") or ()):
-                    first = time.perf_counter() - start
+                if any(choice.get("text") for choice in chunk.get("choices") or ()):
+                    pieces += 1
+                    first = first if first is not None else time.perf_counter() - start
                 usage = chunk.get("usage") or usage
     if latencies is not None:
-        latencies.append((first if first is not None else float("nan"), time.perf_counter() - start))
+        latencies.append((first if first is not None else float("nan"), time.perf_counter() - start, pieces))
     return usage["completion_tokens"]
 
 
@@ -155,7 +157,8 @@ def measure_serve(workloads, ctx):
         # request (its TLS context included) costs time on the cores the server runs on (docs/performance.md).
         https = [httpx.Client(base_url=url, timeout=600) for _ in range(max(map(_clients, workloads)))]
 
-        latencies = {row.workload.row_id: [] for row in rows}  # (first token, whole request) of every request
+        # (first token, whole request, chunks with text) of every request
+        latencies = {row.workload.row_id: [] for row in rows}
 
         def client(index, requests):
             return sum(
@@ -182,14 +185,14 @@ def measure_serve(workloads, ctx):
             http.close()
     for row in rows:
         clients = _clients(row.workload)
-        first, whole = zip(*latencies[row.workload.row_id])
+        first, whole, pieces = zip(*latencies[row.workload.row_id])
         row.note = (
             f"{row.tokens} of {clients * per_client * new} tokens asked for, streaming, greedy, --engine {engine}; "
             f"per request over {len(whole)}, p50 / p90 / p99: first token "
             + " / ".join(f"{s * 1000:.0f}" for s in percentiles(first))
             + " ms, whole "
             + " / ".join(f"{s:.2f}" for s in percentiles(whole))
-            + " s"
+            + f" s; text in {percentiles(pieces, (50,))[0]} chunks a request (p50)"
         )
         ctx.log(f"{row.workload.row_id}: {row.tokens_per_second:.1f} tok/s")
     return rows

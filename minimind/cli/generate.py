@@ -200,6 +200,13 @@ def serve(argv=None):
         help="seconds a request may take; then its generation stops and it gets a 504",
     )
     parser.add_argument(
+        "--stream_interval",
+        type=float,
+        default=serving.Generator.STREAM_INTERVAL,
+        help="seconds a streamed reply's text may wait to go out with the tokens after it (its first and last "
+        "tokens go at once); 0 sends every token as it is made",
+    )
+    parser.add_argument(
         "--max_request_bytes",
         type=int,
         default=limits.max_request_bytes,
@@ -256,7 +263,13 @@ def serve(argv=None):
     model_id = args.served_model_name or os.path.basename(os.path.normpath(args.model_name_or_path))
     try:
         generator = serving.Generator(
-            model, tokenizer, model_id, limits=limits, engine=args.engine, compile=args.compile
+            model,
+            tokenizer,
+            model_id,
+            limits=limits,
+            engine=args.engine,
+            compile=args.compile,
+            stream_interval=args.stream_interval,
         )
     except ValueError as error:
         parser.error(str(error))

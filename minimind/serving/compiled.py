@@ -78,7 +78,9 @@ class CompiledBatchEngine:
         started = time.perf_counter()
         with self._stepping:
             for rows in self.batch_sizes:
-                self.decoder.step(torch.zeros(rows, 1, dtype=torch.long, device=self.model.device), self._caches[rows])
+                self.decoder.step(
+                    torch.zeros(rows, 1, dtype=torch.long, device=self.cache.positions.device), self._caches[rows]
+                )
             self.cache.positions.zero_()
         return time.perf_counter() - started
 
@@ -168,10 +170,12 @@ class CompiledBatchEngine:
     def _step(self) -> None:
         busy = len(self._rows)
         rows = next(size for size in self.batch_sizes if size >= busy)
-        tokens = torch.zeros(rows, 1, dtype=torch.long, device=self.model.device)  # rows past the busy ones idle
-        tokens[:busy, 0] = torch.tensor([row.generated[-1] for row in self._rows])
+        # One op for the step's input, rows past the busy ones idle: each op between steps costs the one client
+        # of a server what it costs the step.
+        last = [row.generated[-1] for row in self._rows] + [0] * (rows - busy)
+        tokens = torch.tensor(last, dtype=torch.long, device=self.cache.positions.device)[:, None]  # [rows, 1]
         logits = self.decoder.step(tokens, self._caches[rows])[:busy]  # [busy, V]
-        self.cache.positions[:busy] += 1
+        self.cache.positions.narrow(0, 0, busy).add_(1)
         greedy = logits.argmax(dim=-1).tolist()
         chosen = [
             greedy[i] if row.greedy else self._choose(row, logits[i : i + 1])[0] for i, row in enumerate(self._rows)

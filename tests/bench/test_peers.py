@@ -332,7 +332,7 @@ def test_serve_rows_count_reported_tokens(peers_run):
             # the percentiles of the requests' latencies: to the first token (ms) and to the end (s)
             assert re.search(
                 rf"--engine {engine}; per request over {clients}, p50 / p90 / p99: first token \d+ / \d+ / \d+ ms, "
-                r"whole \d+\.\d\d / \d+\.\d\d / \d+\.\d\d s$",
+                r"whole \d+\.\d\d / \d+\.\d\d / \d+\.\d\d s; text in \d+ chunks a request \(p50\)$",
                 row.note,
             ), row.note
         if not serving_missing():
@@ -366,7 +366,8 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
     def completion(http, prompt, max_tokens, latencies=None):
         completions.append(prompt)
         if latencies is not None:  # the warm-up passes none
-            latencies.append((0.025 * (len(completions) % 4 + 1), 2.0))  # first token after 25, 50, 75 or 100 ms
+            # first token after 25, 50, 75 or 100 ms; text in 1, 2, 3 or 4 chunks
+            latencies.append((0.025 * (len(completions) % 4 + 1), 2.0, len(completions) % 4 + 1))
         short_round = len(completions) == 1 + 2 + 16 + 1  # the second round's first completion (8 clients)
         return 1 if short_round else max_tokens
 
@@ -394,7 +395,7 @@ def test_serve_rows_take_turns_on_one_server(monkeypatch):
     assert eight.seconds == [1.0, 64 / 61, 1.0]
     assert eight.note == (
         "64 of 64 tokens asked for, streaming, greedy, --engine paged; per request over 48, p50 / p90 / p99: "
-        "first token 50 / 100 / 100 ms, whole 2.00 / 2.00 / 2.00 s"
+        "first token 50 / 100 / 100 ms, whole 2.00 / 2.00 / 2.00 s; text in 2 chunks a request (p50)"
     )
     assert bench.serve.percentiles(range(100, 0, -1)) == [50, 90, 99]
     assert bench.serve.percentiles([0.3, 0.1, 0.2]) == [0.2, 0.3, 0.3]

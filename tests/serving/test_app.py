@@ -3,6 +3,7 @@
 separately loaded copy of the model (continuous batching leaves the served model's attention in paged mode
 under transformers 5.17). Every test that serves runs on both engines, `--engine paged` and `--engine compiled`."""
 
+import json
 import os
 import sys
 import threading
@@ -384,6 +385,8 @@ def test_script_binds_loopback_and_takes_limits(monkeypatch, generator, tmp_path
             "k",
             "--kv_cache_tokens",
             "4096",
+            "--stream_interval",
+            "0.2",
         ]
     )
     load_script("serve").main(["--model_name_or_path", str(tmp_path / "my-model"), "--api_key", ""])
@@ -402,6 +405,7 @@ def test_script_binds_loopback_and_takes_limits(monkeypatch, generator, tmp_path
         kv_cache_tokens=4096,
     )
     assert limited.state.generator.engine.cache_tokens == 4096
+    assert (limited.state.generator.stream_interval, app.state.generator.stream_interval) == (0.2, 0.05)
     # the defaults: every one of the 64 admitted requests at the full 64-token context, plus the spare context
     assert app.state.generator.limits == ServerLimits(max_context=64, max_prompt_tokens=63, kv_cache_tokens=65 * 64)
     from starlette.testclient import TestClient
@@ -446,6 +450,15 @@ def test_bad_limits_are_refused(generator, limits, message):
     with pytest.raises(ValueError) as error:
         Generator(generator.model, generator.tokenizer, MODEL_ID, limits=limits)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize("interval", [-0.01, 61.0])
+def test_a_stream_interval_outside_the_request_timeout_is_refused(generator, interval):
+    with pytest.raises(ValueError) as error:
+        Generator(generator.model, generator.tokenizer, MODEL_ID, limits=LIMITS, stream_interval=interval)
+    assert str(error.value) == (
+        f"stream_interval must be between 0 (every token at once) and request_timeout (60 s), got {interval}"
+    )
 
 
 def test_compiled_engine_rows_fit_the_kv_cache(generator):
@@ -605,6 +618,35 @@ def test_raw_stream_is_sse_ending_with_done(base_url):
     events = raw.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     assert all(event.startswith("data: {") for event in events[:-2])
+
+
+def test_stream_interval_sends_the_same_text_in_fewer_pieces(base_url, generator, monkeypatch):
+    """Between a stream's first token and its last, the text waits out the stream interval and goes together: the
+    same text and usage as with every token sent at once. The last token is never held: the request ends long
+    before an hour's interval."""
+    body = {
+        "model": MODEL_ID,
+        "prompt": "Once upon a time",
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    def stream(interval):
+        monkeypatch.setattr(generator, "stream_interval", interval)
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as response:
+            events = [
+                json.loads(line[len("data: ") :]) for line in response.iter_lines() if line.startswith("data: {")
+            ]
+        pieces = [event["choices"][0]["text"] for event in events if event["choices"] and event["choices"][0]["text"]]
+        return pieces, events[-1]["usage"]
+
+    every_token, usage = stream(0.0)
+    held, held_usage = stream(3600.0)
+    assert usage["completion_tokens"] > 2 and held_usage == usage
+    assert "".join(held) == "".join(every_token)
+    assert len(held) <= 2  # the first token's text, then the rest with the last token
 
 
 def test_client_leaving_stream_stops_generation(base_url, generator):

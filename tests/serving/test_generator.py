@@ -1,9 +1,12 @@
 """The server's detokenizer (`minimind.serving.generator._Detokenizer`): the text it streams, token by token, is the
 text of the whole reply decoded at once. The deliveries from the engine's thread (`_Deliveries`): every output
-arrives, in order, and the outputs posted together wake the event loop once."""
+arrives, in order, and the outputs posted together wake the event loop once; with a stream interval, a sequence's
+outputs between its first and its last wait for the interval's end and go together."""
 
 import asyncio
 import threading
+import time
+from dataclasses import dataclass
 
 import pytest
 from transformers import AutoTokenizer
@@ -117,3 +120,56 @@ def test_outputs_posted_from_another_thread_all_arrive_in_order():
     assert received == [[(step, index) for step in range(500)] for index in range(4)]
     assert (left, pending) == ([0] * 4, 0)
     assert 1 <= len(wakeups) <= 2000
+
+
+@dataclass
+class Output:
+    """What `_Deliveries` reads of an engine's output."""
+
+    generated_tokens: list[int]
+    finished: bool = False
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
+def test_a_stream_interval_holds_the_outputs_between_the_first_and_the_last():
+    async def main():
+        loop = asyncio.get_running_loop()
+        deliveries = _Deliveries.of(loop)
+        wakeups = counting_wakeups(loop)
+        queue = asyncio.Queue()
+        outputs = [Output(list(range(n))) for n in range(1, 6)] + [Output(list(range(6)), finished=True)]
+        deliveries.post(queue, outputs[0], 3600)
+        first = await asyncio.wait_for(queue.get(), 5)
+        for output in outputs[1:5]:
+            deliveries.post(queue, output, 3600)
+        await asyncio.sleep(0.2)
+        held = queue.qsize()
+        deliveries.post(queue, outputs[5], 3600)
+        rest = [await asyncio.wait_for(queue.get(), 5) for _ in range(5)]
+        return outputs, first, held, rest, [callback.__name__ for callback in wakeups]
+
+    outputs, first, held, rest, wakeups = asyncio.run(main())
+    assert first is outputs[0]  # the first output at once
+    assert held == 0  # the next four wait for the interval
+    assert rest == outputs[1:]  # the last output at once, and with it the four before, in order
+    assert wakeups == ["_drain", "_drain_at", "_drain"]  # one wake-up each, the held ones' setting a timer
+
+
+def test_held_outputs_go_at_the_end_of_the_interval_without_another_post():
+    interval = 0.3
+
+    async def main():
+        deliveries = _Deliveries.of(asyncio.get_running_loop())
+        queue = asyncio.Queue()
+        posted = time.monotonic()
+        deliveries.post(queue, Output([1]), interval)
+        await asyncio.wait_for(queue.get(), 5)
+        deliveries.post(queue, Output([1, 2]), interval)
+        held = await asyncio.wait_for(queue.get(), 5)  # no later output comes: the timer sends it
+        return held, time.monotonic() - posted
+
+    held, waited = asyncio.run(main())
+    assert held == Output([1, 2])
+    assert waited >= interval  # not before the interval, counted from the drain that sent the first output
