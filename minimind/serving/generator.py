@@ -113,8 +113,8 @@ class _Deliveries:
         self.loop.call_later(max(0.0, due - time.monotonic()), self._drain)
 
     def _drain(self) -> None:
+        self.drained = time.monotonic()  # first: a post from now on counts its interval from this drain
         self.scheduled = False
-        self.drained = time.monotonic()
         while self.pending:
             target, item = self.pending.popleft()
             target.put_nowait(item)
