@@ -184,6 +184,7 @@ FP32_PRODUCTS = {
     "mkl": "MKL-packed weights",
     "onednn": "oneDNN-packed weights",
     "template": "inductor's C++ GEMM kernels",
+    "sums": "products as sums over blocks of weight rows",
 }
 
 
@@ -206,7 +207,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         if decoder.dtype == torch.float32:
             products = FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])]
         elif isinstance(settings["post_grad_custom_pre_pass"], SixteenBitProducts):
-            products = "one-row products as sums over blocks of weight rows"
+            products = FP32_PRODUCTS["sums"]
         else:
             products = "prepacked weights"
         products += (

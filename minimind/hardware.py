@@ -93,6 +93,12 @@ def usable_cpu_features() -> frozenset[str] | None:
     return features - left_out
 
 
+def torch_kernels_avx512() -> bool:
+    """Whether torch's CPU kernels run on AVX-512 here: the CPU has it and `ATEN_CPU_CAPABILITY` does not hold
+    torch below it."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def cpu_vendor() -> str:
     """The CPU's maker as it reports itself ("GenuineIntel", "AuthenticAMD"); "" where it cannot be read."""
     return cpuinfo().get("vendor_id") or next(

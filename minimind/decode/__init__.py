@@ -5,11 +5,13 @@ Every name is importable from here; each lives in the module that does its job:
 - `compiled`: the compiled step (`CompiledStep`: inductor's settings, freezing, one code object per decoder, the
   eager fallback) and `CompiledDecoder`, the chat front ends' `generate`; `CACHE_BUCKET`, `cache_length`.
 - `attention`: `grouped_query_sdpa`, the steps' attention, registered as `GROUPED_QUERY_SDPA`.
-- `fp32_products`: the fp32 product kernel per number of rows and CPU maker (`fp32_product_kernel`) and the
-  inductor pass that puts it in (`Fp32Products`).
-- `sixteen_bit_products`: one-row products over 16-bit weights on a CPU (bfloat16 without its arithmetic,
-  float16 everywhere), as sums over blocks of weight rows (`SixteenBitProducts`, `ROW_BLOCKS`).
-- `graph_edits`: what those passes share (a product's input as one row, constants made from a weight).
+- `fp32_products`: the fp32 product kernel per number of rows, CPU maker and vector width (`fp32_product_kernel`)
+  and the inductor pass that puts it in (`Fp32Products`).
+- `sixteen_bit_products`: products over 16-bit weights on a CPU (one row of bfloat16 without its arithmetic and of
+  float16 everywhere, several rows too where torch's kernels stop at AVX2), as sums over blocks of weight rows
+  (`SixteenBitProducts`, `ROW_BLOCKS`).
+- `graph_edits`: what those passes share (a product's input rows in memory, constants made from a weight, the
+  product as blocked sums).
 - `sampling`: the next token, greedy or through transformers' logits warpers (`sampling_warpers`,
   `choose_tokens`).
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).

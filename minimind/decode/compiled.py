@@ -58,7 +58,7 @@ from minimind.decode.packages import (
 )
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.decode.sixteen_bit_products import SixteenBitProducts
-from minimind.hardware import cpu_caps, cpu_computes_natively
+from minimind.hardware import cpu_caps, cpu_computes_natively, torch_kernels_avx512
 from minimind.heap import trim_heap
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
@@ -119,9 +119,10 @@ class CompiledStep:
         # (`fp32_product_kernel`) it is the only choice offered, so nothing is timed while compiling.
         # 16-bit weights on a CPU without arithmetic for them take the template alone: it widens them to fp32 in
         # registers (for AVX2 as for AVX-512), while autotuning against ATen's products, which have no 16-bit
-        # arithmetic to use there, decoded far slower. Their one-row steps multiply as sums over blocks of weight
-        # rows instead (`SixteenBitProducts`), which read the weights faster still; a product the pass leaves
-        # stays the template's. int8 weights keep the autotuning, which did better there.
+        # arithmetic to use there, decoded far slower. Their one-row steps, and where torch's kernels stop at AVX2
+        # their steps of several rows too, multiply as sums over blocks of weight rows instead
+        # (`SixteenBitProducts`), which read the weights faster still; a product the pass leaves stays the
+        # template's. int8 weights keep the autotuning, which did better there.
         sixteen_bit = self.dtype != torch.float32
         if sixteen_bit:
             template = plain_weights(self.model) and cpu_computes_natively(self.dtype) is False
@@ -141,14 +142,15 @@ class CompiledStep:
         }
 
     def _products_pass(self, batch: int, template: bool):
-        """The inductor pass that picks the steps' product kernels: fp32's table, or blocked sums for one row of
-        16-bit weights on a CPU where they decoded faster than the products otherwise taken: bfloat16 without
-        bfloat16 arithmetic (the template alone), float16 on every CPU (with AVX-512's float16 arithmetic too,
-        oneDNN's)."""
+        """The inductor pass that picks the steps' product kernels: fp32's table, or blocked sums for 16-bit weights
+        where they decoded faster than the products otherwise taken: one row of bfloat16 without bfloat16
+        arithmetic (the template alone) and of float16 on every CPU (with AVX-512's float16 arithmetic too,
+        oneDNN's), and several rows of either where torch's kernels stop at AVX2."""
         if self.dtype == torch.float32:
             return Fp32Products()
         on_cpu = next(self.model.parameters()).device.type == "cpu"  # what was measured
-        sums = on_cpu and batch == 1 and plain_weights(self.model) and (template or self.dtype == torch.float16)
+        slower = template or self.dtype == torch.float16
+        sums = on_cpu and plain_weights(self.model) and slower and (batch == 1 or not torch_kernels_avx512())
         return SixteenBitProducts() if sums else None
 
     def model_for(self, batch: int):

@@ -7,8 +7,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from minimind.decode import graph_edits
-from minimind.decode.graph_edits import frozen_constant, one_row
-from minimind.hardware import cpu_vendor
+from minimind.decode.graph_edits import blocked_sums, call, frozen_constant, rows_in_memory
+from minimind.hardware import cpu_vendor, torch_kernels_avx512
 
 ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's packed kernel
 
@@ -17,12 +17,15 @@ ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's pa
 # slowly than oneDNN's and inductor's C++ template do. Unknown makers keep the Intel table (a CPU without MKL, as on
 # ARM, has no MKL-packed products for the table to choose for).
 INTEL_CPU = cpu_vendor() in ("GenuineIntel", "")
+AVX512_KERNELS = torch_kernels_avx512()
 
 
-def fp32_product_kernel(rows: int, intel: bool = INTEL_CPU) -> str:
+def fp32_product_kernel(rows: int, intel: bool = INTEL_CPU, avx512: bool = AVX512_KERNELS) -> str:
     """The kernel a compiled fp32 step multiplies `rows` rows by a frozen weight with (`Fp32Products`)."""
     if rows == 1:
         return "plain" if intel else "template"
+    if not avx512:
+        return "sums"
     return "mkl" if intel and rows < ONEDNN_MIN_ROWS else "onednn"
 
 
@@ -35,6 +38,8 @@ class Fp32Products(CustomGraphPass):
     - two or three rows: MKL's packed product stays, ahead of oneDNN's (under AOTInductor, oneDNN's stays);
     - four rows or more: oneDNN's packed product, as 16-bit weights get (level with MKL's packed one at four rows,
       ahead from there on).
+    Where torch's kernels stop at AVX2 (no AVX-512), two rows or more multiply as sums over blocks of the weight's
+    rows (`graph_edits.blocked_sums`), ahead of MKL's and oneDNN's packed products there.
     On an AMD EPYC (Zen 4), where MKL runs slow:
     - one row: inductor's own C++ GEMM template, which the packed node lowers to when it is the only choice
       (`inductor_settings`), ahead of MKL's plain product and oneDNN's packed one;
@@ -72,11 +77,19 @@ class Fp32Products(CustomGraphPass):
         value = inputs.meta["val"]  # [..., in]: oneDNN's product takes any leading dimensions
         rows = value.numel() // value.shape[-1]
         kernel = fp32_product_kernel(rows)
-        if kernel in ("mkl", "template") or (onednn and kernel != "plain"):
+        if kernel in ("mkl", "template") or (onednn and kernel == "onednn"):
             # under AOTInductor oneDNN's packed product stays where MKL's packed one would be chosen; the
             # template takes the packed product over when lowering it
             return None
         with graph.inserting_before(node):
+            if kernel == "sums":
+                stored = getattr(module, weight.target)
+                stored = stored.to_dense() if onednn else stored  # [out, in]
+                product = blocked_sums(graph, inputs, weight, stored)  # [R, out]
+                if bias is not None:
+                    product = call(graph, torch.ops.aten.add.Tensor, (product, bias))
+                shape = [*map(int, value.shape[:-1]), stored.shape[0]]  # [..., out]
+                return call(graph, torch.ops.aten.reshape.default, (product, shape))
             if kernel == "plain":
                 stored = getattr(module, weight.target)
                 stored = stored.to_dense() if onednn else stored  # [out, in]
@@ -86,7 +99,7 @@ class Fp32Products(CustomGraphPass):
                     weight_in_out.meta["val"] = embedding.meta["val"].permute(1, 0)
                 else:  # [in, out]
                     weight_in_out = frozen_constant(graph, inputs, weight, "in_out", lambda: stored.t().contiguous())
-                row = one_row(graph, inputs)  # [1, in]
+                row = rows_in_memory(graph, inputs)  # [1, in]
                 product = (
                     graph.call_function(torch.ops.aten.mm.default, (row, weight_in_out))
                     if bias is None

@@ -7,8 +7,8 @@ import torch
 
 from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_model
 from minimind.decode import CompiledDecoder, compiled, fp32_product_kernel, fp32_products
-from minimind.decode.sixteen_bit_products import SixteenBitProducts
-from minimind.hardware import cpu_vendor
+from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
+from minimind.hardware import cpu_vendor, torch_kernels_avx512
 
 
 @pytest.fixture(autouse=True)
@@ -34,8 +34,9 @@ def greedy_gap(model, ids, prompt_length):
 
 def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(int8_model, monkeypatch):
     """16-bit weights on a CPU without 16-bit arithmetic: inductor's C++ template alone, which widens them to fp32
-    in registers, and one-row steps multiply as blocked sums instead (`SixteenBitProducts`); with the arithmetic,
-    or with int8 weights, the template and ATen's products autotuned, and no pass but float16's one row."""
+    in registers, and one-row steps multiply as blocked sums instead (`SixteenBitProducts`), steps of several rows
+    too where torch's kernels stop at AVX2; with the arithmetic, or with int8 weights, the template and ATen's
+    products autotuned, and no pass but float16's."""
     native = {torch.bfloat16: False, torch.float16: False}
     monkeypatch.setattr(compiled, "cpu_computes_natively", lambda dtype: native.get(dtype, True))
     for dtype in (torch.bfloat16, torch.float16):
@@ -57,6 +58,17 @@ def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(
     decoder = CompiledDecoder(tiny_model().to(torch.float16))
     assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
     assert decoder.inductor_settings(8)["post_grad_custom_pre_pass"] is None
+    # where torch's kernels stop at AVX2, steps of several rows take the sums too, wherever one row does
+    monkeypatch.setattr(compiled, "torch_kernels_avx512", lambda: False)
+    native[torch.bfloat16] = False
+    for dtype in (torch.bfloat16, torch.float16):
+        decoder = CompiledDecoder(tiny_model().to(dtype))
+        assert all(
+            type(decoder.inductor_settings(n)["post_grad_custom_pre_pass"]) is SixteenBitProducts for n in (1, 8)
+        )
+    native[torch.bfloat16] = True
+    assert CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(8)["post_grad_custom_pre_pass"] is None
+    monkeypatch.setattr(compiled, "torch_kernels_avx512", lambda: True)
     native[torch.bfloat16] = None  # features unknown: as before
     settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(1)
     assert settings["max_autotune_gemm_backends"] == "CPP,ATEN" and settings["post_grad_custom_pre_pass"] is None
@@ -90,41 +102,74 @@ class RecordGraph:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48)], ids=["[1, in]", "[1, 1, in]"])
-def test_16_bit_one_row_products_become_blocked_sums(dtype, shape):
-    """`SixteenBitProducts` on a frozen one-row product: the product is gone, its weight [40, 48] is cut into 8
-    blocks of 5 rows, each a contiguous constant of its own with exactly those rows, and 8 sums over them; the
-    result is the fp32 product rounded once to the 16-bit type (the sum order may move it by one unit in the last
-    place, never more). Two rows are left to the product as they were."""
-    from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
-
+@pytest.mark.parametrize(
+    "shape", [(1, 48), (1, 1, 48), (3, 48), (3, 1, 48)], ids=["[1, in]", "[1, 1, in]", "[3, in]", "[3, 1, in]"]
+)
+def test_16_bit_products_become_blocked_sums(dtype, shape):
+    """`SixteenBitProducts` on frozen products of one row or several: each product is gone, its weight [40, 48] (then
+    [16, 40]) is cut into 8 blocks of rows, each a contiguous constant of its own with exactly those rows, and one
+    sum over each; the result is the fp32 product rounded once to the 16-bit type (the sum order may move it by
+    one unit in the last place, never more), the second product reading the first's sums as they are laid out."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(48, 40, bias=False).to(dtype).eval()
+    first = torch.nn.Linear(48, 40, bias=False).to(dtype).eval()
+    second = torch.nn.Linear(40, 16, bias=False).to(dtype).eval()
+    chain = torch.nn.Sequential(first, second)
     settings = {"freezing": True, "cpp.weight_prepack": True, "post_grad_custom_pre_pass": SixteenBitProducts()}
-    for rows in (1, 2):
-        x = torch.randn(*shape[:-2], rows, 48).to(dtype)
+    x = torch.randn(*shape).to(dtype)
+    record = RecordGraph()
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch({**settings, "post_grad_custom_post_pass": record.graph_pass}):
+        out = torch.compile(chain, fullgraph=True)(x)
+        middle = first(x)
+    [graph] = record.graphs
+    calls = [entry[0] for entry in graph if entry[0] != "constant"]
+    assert [target for target in calls if "mm" in target or "linear" in target] == []
+    assert calls.count("aten.sum.dim_IntList") == 2 * ROW_BLOCKS == 16
+    blocks = [entry[2] for entry in graph if entry[0] == "constant"]
+    assert [tuple(block.shape) for block in blocks] == [(5, 48)] * 8 + [(2, 40)] * 8
+    assert all(block.is_contiguous() and block.dtype == dtype for block in blocks)
+    assert torch.equal(torch.cat(blocks[:8]), first.weight.detach())
+    assert torch.equal(torch.cat(blocks[8:]), second.weight.detach())
+    exact = (middle.double() @ second.weight.detach().double().t()).to(dtype)  # from eager's first product
+    assert out.shape == exact.shape
+    ulps = (out.float() - exact.float()).abs() / torch.finfo(dtype).eps / exact.float().abs().clamp_min(1e-3)
+    assert ulps.max().item() <= 1.0 + 1 / 64  # the first product's own rounding may differ by one unit too
+
+
+def test_fp32_products_of_several_rows_become_blocked_sums():
+    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2): every
+    product of a two-product chain is gone, both weights are cut into blocks, and the result is the product's to
+    fp32 rounding, the second product reading the first's sums as they are laid out; one row keeps its kernel."""
+    torch.manual_seed(0)
+    chain = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(40, 16, bias=False)).eval()
+    for shape in ((4, 48), (4, 1, 48), (1, 48)):
+        x = torch.randn(*shape)
         record = RecordGraph()
         torch._dynamo.reset()
+        settings = {
+            "freezing": True,
+            "cpp.weight_prepack": True,
+            "post_grad_custom_pre_pass": fp32_products.Fp32Products(),
+            "post_grad_custom_post_pass": record.graph_pass,
+            "fx_graph_cache": False,
+        }
         with (
             torch.no_grad(),
-            torch._inductor.config.patch({**settings, "post_grad_custom_post_pass": record.graph_pass}),
+            torch._inductor.config.patch(settings),
+            pytest.MonkeyPatch.context() as patch,
         ):
-            out = torch.compile(linear, fullgraph=True)(x)
+            patch.setattr(fp32_products, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, avx512=False))
+            out = torch.compile(chain, fullgraph=True)(x)
+            exact = chain.double()(x.double())
+            chain.float()
         [graph] = record.graphs
         calls = [entry[0] for entry in graph if entry[0] != "constant"]
         products = [target for target in calls if "mm" in target or "linear" in target]
-        if rows == 2:
-            assert len(products) == 1 and "aten.sum.dim_IntList" not in calls
+        if shape == (1, 48):
+            assert products and "aten.sum.dim_IntList" not in calls
             continue
-        assert products == [] and calls.count("aten.sum.dim_IntList") == ROW_BLOCKS == 8
-        blocks = [entry[2] for entry in graph if entry[0] == "constant"]
-        assert [tuple(block.shape) for block in blocks] == [(5, 48)] * 8
-        assert all(block.is_contiguous() and block.dtype == dtype for block in blocks)
-        assert torch.equal(torch.cat(blocks), linear.weight.detach())
-        exact = (x.double() @ linear.weight.detach().double().t()).to(dtype)
-        assert out.shape == exact.shape
-        ulps = (out.float() - exact.float()).abs() / torch.finfo(dtype).eps / exact.float().abs().clamp_min(1e-3)
-        assert ulps.max().item() <= 1.0
+        assert products == [] and calls.count("aten.sum.dim_IntList") == 16
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -212,17 +257,38 @@ def test_fp32_products_take_fastest_kernel():
     rows = (1, 2, 3, 4, 8, 16)
     assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
     assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
+    # where torch's kernels stop at AVX2, several rows multiply as blocked sums for either maker
+    assert [fp32_product_kernel(n, intel=True, avx512=False) for n in rows] == ["plain"] + ["sums"] * 5
+    assert [fp32_product_kernel(n, intel=False, avx512=False) for n in rows] == ["template"] + ["sums"] * 5
     assert fp32_products.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
+    assert fp32_products.AVX512_KERNELS == torch_kernels_avx512()
 
 
-def fp32_products_of_steps(model, monkeypatch, intel, batch):
+def use_fp32_table(monkeypatch, **table):
+    """Both places that read the fp32 kernel table (the graph pass, and the compile settings, which pick the one-row
+    template) read it for `table`'s CPU maker and vector width."""
+    for module in (fp32_products, compiled):
+        monkeypatch.setattr(module, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, **table))
+
+
+def packaged_steps(model, monkeypatch, tmp_path, ids):
+    """A decoder that packages its steps with AOTInductor in `tmp_path`, 6 greedy tokens of it on `ids`, and the
+    matrix products of the graph it packaged."""
+    monkeypatch.setattr(compiled, "_exportable", compiled.plain_weights)
+    record = RecordProducts()
+    decoder = CompiledDecoder(model, cache_dir=tmp_path)
+    assert decoder.backend == "aoti"
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass):
+        out = decoder.generate(ids, max_new_tokens=6, **greedy())
+    return decoder, out, record.graphs
+
+
+def fp32_products_of_steps(model, monkeypatch, intel, batch, avx512=True):
     """A decoder compiled with one CPU maker's kernel table, run for 6 tokens on PROMPT and on `batch`, each checked
     against generate: the decoder, PROMPT's output, the products of the two graphs, the first graph's code."""
     from torch._inductor.utils import run_and_get_code
 
-    # both places that read the table: the graph pass, and the compile settings (which pick the one-row template)
-    for module in (fp32_products, compiled):
-        monkeypatch.setattr(module, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
+    use_fp32_table(monkeypatch, intel=intel, avx512=avx512)
     record = RecordProducts()
     decoder = CompiledDecoder(model)
     with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass, fx_graph_cache=False):
@@ -288,6 +354,30 @@ def test_fp32_step_kernels_on_amd(model, monkeypatch):
 
 
 @pytest.mark.slow
+def test_fp32_step_kernels_without_avx512(model, monkeypatch):
+    """The table where torch's kernels stop at AVX2: one row keeps the maker's kernel (Intel's plain product), two
+    rows multiply as blocked sums, not one product left in the step. Tokens are generate's either way."""
+    _, _, (single, pair), _ = fp32_products_of_steps(model, monkeypatch, True, BATCH[:2], avx512=False)
+    assert single == ["aten.mm.default"] * (4 * model.config.num_hidden_layers + 1)
+    assert pair == []
+
+
+@pytest.mark.slow
+def test_fp32_several_rows_package_multiplies_as_sums(model, monkeypatch, tmp_path):
+    """Under AOTInductor, where inductor packs fp32 weights for oneDNN, a two-row step whose table says "sums"
+    (torch's kernels stopping at AVX2) is packaged without one product left; a second decoder loads the package,
+    and both decode generate's tokens."""
+    use_fp32_table(monkeypatch, avx512=False)
+    decoder, out, graphs = packaged_steps(model, monkeypatch, tmp_path, BATCH[:2])
+    assert graphs == [[]] and (decoder.packages.built, decoder.packages.loaded) == (1, 0)
+    expected = batch_reference(model, 6, batch=BATCH[:2], pad_token_id=0, **greedy())
+    later = CompiledDecoder(model, cache_dir=tmp_path)
+    again = later.generate(BATCH[:2], max_new_tokens=6, **greedy())
+    assert (later.packages.built, later.packages.loaded) == (0, 1)
+    assert torch.equal(out, expected) and torch.equal(again, expected)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("intel", [True, False], ids=["intel", "amd"])
 def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_path, intel):
     """Under AOTInductor, inductor packs fp32 weights for oneDNN (opaque tensors, which only the library can hold)
@@ -298,18 +388,11 @@ def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_
     import math
     import zipfile
 
-    monkeypatch.setattr(compiled, "_exportable", compiled.plain_weights)
-    for module in (fp32_products, compiled):
-        monkeypatch.setattr(module, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, intel=intel))
-    record = RecordProducts()
-    decoder = CompiledDecoder(model, cache_dir=tmp_path)
-    assert decoder.backend == "aoti"
-    with torch._inductor.config.patch(post_grad_custom_post_pass=record.graph_pass):
-        out = decoder.generate(PROMPT, max_new_tokens=6, **greedy())
+    use_fp32_table(monkeypatch, intel=intel)
+    decoder, out, (single,) = packaged_steps(model, monkeypatch, tmp_path, PROMPT)
     assert torch.equal(out, reference(model, 6, **greedy()))
     assert (decoder.packages.built, decoder.packages.loaded) == (1, 0)
     products = 4 * model.config.num_hidden_layers + 1
-    [single] = record.graphs
     if intel:
         assert single == ["aten.mm.default"] * products
     else:  # oneDNN's packed products (some with the residual's add fused in), which the template takes over

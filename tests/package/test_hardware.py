@@ -90,6 +90,27 @@ def test_cpu_caps_are_the_variables_set(monkeypatch):
     assert hardware.cpu_caps() == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
+def test_torch_kernels_avx512_follows_torchs_capability_and_its_cap():
+    """Whether torch's kernels run on AVX-512: what torch itself reports, which ATEN_CPU_CAPABILITY holds down."""
+    import os
+    import subprocess
+    import sys
+
+    assert hardware.torch_kernels_avx512() == torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    code = (
+        "import torch; from minimind.hardware import torch_kernels_avx512; "
+        "print(torch_kernels_avx512(), torch.backends.cpu.get_cpu_capability())"
+    )
+    capped = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "ATEN_CPU_CAPABILITY": "avx2"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert capped.stdout.split() == ["False", "AVX2"]
+
+
 @pytest.mark.parametrize(
     ("caps", "bf16", "int8"),
     [
