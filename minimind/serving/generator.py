@@ -153,7 +153,8 @@ class Sequence:
         try:
             while True:
                 item = await outputs.get()
-                while item is not _DEADLINE and not outputs.empty():  # outputs are cumulative: the latest will do
+                # outputs are cumulative: the latest one waiting will do, up to the last (then the deadline is moot)
+                while item is not _DEADLINE and not item.is_finished() and not outputs.empty():
                     item = outputs.get_nowait()
                 if item is _DEADLINE or time.monotonic() >= deadline:
                     raise TimeoutError
