@@ -81,18 +81,16 @@ class Fp32Products(CustomGraphPass):
             # under AOTInductor oneDNN's packed product stays where MKL's packed one would be chosen; the
             # template takes the packed product over when lowering it
             return None
+        stored = getattr(module, weight.target)
+        stored = stored.to_dense() if onednn else stored  # [out, in]
         with graph.inserting_before(node):
             if kernel == "sums":
-                stored = getattr(module, weight.target)
-                stored = stored.to_dense() if onednn else stored  # [out, in]
                 product = blocked_sums(graph, inputs, weight, stored)  # [R, out]
                 if bias is not None:
                     product = call(graph, torch.ops.aten.add.Tensor, (product, bias))
                 shape = [*map(int, value.shape[:-1]), stored.shape[0]]  # [..., out]
                 return call(graph, torch.ops.aten.reshape.default, (product, shape))
             if kernel == "plain":
-                stored = getattr(module, weight.target)
-                stored = stored.to_dense() if onednn else stored  # [out, in]
                 embedding = _embedding_holding(graph, stored)
                 if embedding is not None:
                     weight_in_out = graph.call_function(torch.ops.aten.permute.default, (embedding, [1, 0]))
@@ -110,15 +108,14 @@ class Fp32Products(CustomGraphPass):
                     return product
                 shape = [*value.shape[:-1], stored.shape[0]]  # [..., out]
                 return graph.call_function(torch.ops.aten.view.default, (product, shape))
-            # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs
-            source = getattr(module, weight.target)
+            # an opaque oneDNN tensor, which inductor lowers by the shape of the weight it packs (MKL's plain one)
             packed = frozen_constant(
                 graph,
                 inputs,
                 weight,
                 f"onednn_{rows}",
-                lambda: torch.ops.mkldnn._reorder_linear_weight(source, rows),
-                lowered_as=source,
+                lambda: torch.ops.mkldnn._reorder_linear_weight(stored, rows),
+                lowered_as=stored,
             )
             return graph.call_function(
                 torch.ops.mkldnn._linear_pointwise.default, (inputs, packed, bias, "none", [], "")
