@@ -314,8 +314,10 @@ def machine_details():
     details["torch"] = torch.__version__ + (f" (CPU kernels: {capability})" if capability else "")
     if os.environ.get("ONEDNN_MAX_CPU_ISA"):
         details["oneDNN ISA cap"] = os.environ["ONEDNN_MAX_CPU_ISA"]
-    if os.environ.get("MKL_ENABLE_INSTRUCTIONS"):  # MKL picks its kernels by itself, caps or not
-        details["MKL instructions cap"] = os.environ["MKL_ENABLE_INSTRUCTIONS"]
+    # MKL and fbgemm pick their kernels by themselves, whatever torch's capability says
+    for variable, label in (("MKL_ENABLE_INSTRUCTIONS", "MKL"), ("FBGEMM_ENABLE_INSTRUCTIONS", "fbgemm")):
+        if os.environ.get(variable):
+            details[f"{label} instructions cap"] = os.environ[variable]
     details["transformers"] = transformers.__version__
     details["python"] = platform.python_version()
     return details

@@ -193,6 +193,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
     decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
     `generate` at the same precision. `compile=False`: the same decoder with its steps run eagerly."""
     from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, SixteenBitProducts, fp32_product_kernel
+    from minimind.decode.int8 import Int8RowsProduct
 
     decoder = CompiledDecoder(model, compile=compile)
 
@@ -204,17 +205,19 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         plain = _minimind_greedy(model, ids, new)
         shared = sum(leading_equal(a, b) for a, b in zip(tokens, plain))
         settings = decoder.inductor_settings(ids.shape[0])
+        gemms = settings["max_autotune"] and "ATEN" in settings["max_autotune_gemm_backends"]
+        step_model = decoder.model_for(ids.shape[0])
         if decoder.dtype == torch.float32:
             products = FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])]
         elif isinstance(settings["post_grad_custom_pre_pass"], SixteenBitProducts):
             products = FP32_PRODUCTS["sums"]
+        elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):
+            products, gemms = "7-bit activations per row through fbgemm", False
+        elif step_model is not model:
+            products = "prepacked weights, 8-bit activations per row"
         else:
             products = "prepacked weights"
-        products += (
-            ", autotuned GEMMs"
-            if settings["max_autotune"] and "ATEN" in settings["max_autotune_gemm_backends"]
-            else ""
-        )
+        products += ", autotuned GEMMs" if gemms else ""
         attention = (
             ", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
         )

@@ -68,8 +68,15 @@ ONEDNN_ISA_KEEPS = {
     "AVX10_1_512_AMX": _VNNI | _BF16 | _FP16 | _AMX,
 }
 ATEN_CAPABILITY_KEEPS = {"default": set(), "avx2": {"avx_vnni"}}
-# Every variable that caps the instructions kernels use: PyTorch's own and inductor's generated code, oneDNN's, MKL's.
-CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# Every variable that caps the instructions kernels use: PyTorch's own and inductor's generated code, oneDNN's, MKL's,
+# fbgemm's.
+CAP_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+)
 
 
 def cpu_caps() -> dict[str, str]:

@@ -66,6 +66,7 @@ from minimind.heap import trim_heap
 # makes a long bucket cost no decoding speed; on a CPU its memory is resident only where written (`lazy_zeros`).
 CACHE_BUCKET = 1024
 _decoder_ids = itertools.count()
+_NOT_YET = object()
 # torch.export, AOTInductor and dynamo keep tracing state in module globals: two decoders compiling at once (the
 # page loading a second model while the first one's step is still being built in the background) would trace
 # over each other, so builds take turns.
@@ -86,7 +87,7 @@ class CompiledStep:
         if model.training:
             raise ValueError(f"{type(self).__name__} needs a model in eval mode: call model.eval() first")
         self.model = model
-        self.rows_model = int8_activation_products(model)  # None: every step multiplies as `model` does
+        self._rows_model = _NOT_YET  # `rows_model`, built for the first step of several rows
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent building or loading the step of each new shape
@@ -153,6 +154,13 @@ class CompiledStep:
         sums = on_cpu and plain_weights(self.model) and slower and (batch == 1 or not torch_kernels_avx512())
         return SixteenBitProducts() if sums else None
 
+    @property
+    def rows_model(self):
+        """What steps of several rows run where it is not `model` (`int8_activation_products`), else None."""
+        if self._rows_model is _NOT_YET:
+            self._rows_model = int8_activation_products(self.model)
+        return self._rows_model
+
     def model_for(self, batch: int):
         """The model a step of `batch` rows runs: int8 weights multiply several rows with int8 activations
         (`int8_activation_products`), one row with 16-bit ones."""
@@ -218,6 +226,7 @@ class CompiledStep:
         """A step on a cache this decoder has not stepped last (a new graph, or a graph of another cache length),
         with every guard checked; compilation happens here."""
         batch = token.shape[0]
+        self.model_for(batch)  # builds what the step runs before it is traced
         run = self._package_or_fallback(token, position, cache)
         if run is not None:
             self._run, self._compiled_for = run, cache

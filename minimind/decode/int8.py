@@ -5,11 +5,32 @@ commands (`quantize_weights_int8`), and the same weights seen with int8 activati
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
+import weakref
 
 import torch
 
 from minimind.hardware import cpu_computes_natively
+
+# fbgemm's packed copies of int8 weights (`Int8RowsProduct`), by key: the compiled steps call the product as an op
+# over plain tensors and an integer, since dynamo cannot put fbgemm's packed-weight object into a graph.
+_PACKED: weakref.WeakValueDictionary[int, _PackedWeight] = weakref.WeakValueDictionary()
+_packed_keys = itertools.count()
+torch.library.define("minimind::int8_rows_product", "(Tensor rows, int weight) -> Tensor")
+
+
+@torch.library.impl("minimind::int8_rows_product", "cpu")
+def _int8_rows_product(rows, weight):
+    """rows [M, in] float32 -> [M, out] float32, the rows quantized together with one scale and zero point."""
+    # reduce_range: 7-bit activations, so that a pair of 8-bit weights times activations adds up within 16 bits,
+    # as a CPU without 8-bit dot products adds them (fbgemm's default on x86 for the same reason)
+    return torch.ops.quantized.linear_dynamic(rows, _PACKED[weight].packed, True)
+
+
+@torch.library.register_fake("minimind::int8_rows_product")
+def _int8_rows_product_shape(rows, weight):
+    return rows.new_empty(rows.shape[0], _PACKED[weight].out_features)
 
 
 def quantize_weights_int8(model):
@@ -48,20 +69,18 @@ def int8_activation_products(model):
     its input to int8 with one scale per row (per token, symmetric) and multiplies in integer arithmetic, as
     llama.cpp's q8_0 does. A copy of the modules only: the int8 values, their scales and every other tensor are the
     model's own. What the compiled decoders run over several rows (`CompiledStep.model_for`): a weight-only product
-    converts every weight to 16 bits before multiplying, which over several rows outweighs reading half the bytes,
-    where VNNI multiplies the 8-bit values directly. One row keeps the weight-only product, which is faster there and
-    leaves the activations unrounded. Each row's activations have a scale of their own, so a row's result does not
-    depend on the rows beside it.
-    None where the model holds no such weights, or the CPU has no 8-bit dot products (`minimind.hardware`: without
-    them full-range int8 products can overflow)."""
+    converts every weight to 16 bits before multiplying, which over several rows outweighs reading half the bytes.
+    One row keeps the weight-only product, which is faster there and leaves the activations unrounded. Each row's
+    activations have a scale of their own, so a row's result does not depend on the rows beside it.
+    With 8-bit dot products (VNNI, `minimind.hardware`) torchao's product multiplies the full 8 bits; without them
+    full-range 8-bit products can overflow the 16-bit sums the CPU adds them in, so fbgemm multiplies 7-bit
+    activations instead (`Int8RowsProduct`, which keeps a packed copy of the int8 values).
+    None where the model holds no such weights, or neither way is available (CPU features unknown, or a torch
+    without fbgemm on a CPU without 8-bit dot products)."""
     if plain_weights(model):
         return None  # nothing to import torchao for
     from torchao.quantization import Int8Tensor, PerRow
 
-    try:  # not among torchao's public names: where a later torchao moves it, the rows keep the weight-only product
-        from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
-    except ImportError:
-        return None
     weight_only = [
         name
         for name, module in model.named_modules()
@@ -69,9 +88,20 @@ def int8_activation_products(model):
         and isinstance(module.weight, Int8Tensor)
         and module.weight.act_quant_kwargs is None
     ]
-    if not weight_only or not cpu_computes_natively(torch.int8):
+    native = cpu_computes_natively(torch.int8)
+    if not weight_only or native is None or (not native and not fbgemm_products()):
         return None
     view = _modules_copied(model)
+    if not native:
+        for name in weight_only:
+            linear = model.get_submodule(name)
+            parent, _, child = name.rpartition(".")
+            setattr(view.get_submodule(parent), child, Int8RowsProduct(linear.weight, linear.bias))
+        return view
+    try:  # not among torchao's public names: where a later torchao moves it, the rows keep the weight-only product
+        from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
+    except ImportError:
+        return None
     activations = QuantizeTensorToInt8Kwargs(granularity=PerRow())
     for name in weight_only:
         linear, weight = view.get_submodule(name), model.get_submodule(name).weight
@@ -85,6 +115,61 @@ def int8_activation_products(model):
         )
         linear.weight = torch.nn.Parameter(products, requires_grad=False)
     return view
+
+
+def fbgemm_products() -> bool:
+    """Whether this torch multiplies int8 weights by dynamically quantized activations through fbgemm (x86 builds).
+    Torch has deprecated its quantized tensors, which fbgemm's packing takes: where a later torch drops them, steps
+    of several rows on a CPU without 8-bit dot products keep the weight-only product."""
+    return (
+        "fbgemm" in torch.backends.quantized.supported_engines
+        and hasattr(torch, "_make_per_channel_quantized_tensor")
+        and all(hasattr(torch.ops.quantized, op) for op in ("linear_prepack", "linear_dynamic"))
+    )
+
+
+ROW_END = 126.0  # what each row's largest magnitude is scaled to for `Int8RowsProduct`
+
+
+class _PackedWeight:
+    def __init__(self, packed, out_features: int):
+        self.packed, self.out_features = packed, out_features
+
+
+class Int8RowsProduct(torch.nn.Module):
+    """A linear layer over one of torchao's int8 weights (one scale per output row) for steps of several rows on a
+    CPU without 8-bit dot products: fbgemm multiplies the int8 values by 7-bit activations with one symmetric scale
+    per row (values -63..63 times the row's largest magnitude / 63) and adds pairs of products in 16 bits as such a
+    CPU does. fbgemm picks one scale and zero point for its whole input from its least and greatest value: each row
+    is scaled to [-126, 126] and goes with a row holding -128 and 126, which fixes that grid to steps of 2 around
+    zero for every row, so a row's result does not depend on the rows beside it. fbgemm keeps a packed copy of the
+    int8 values."""
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        out_features, in_features = weight.qdata.shape
+        with warnings.catch_warnings():  # torch's quantized tensors announce their deprecation
+            warnings.simplefilter("ignore")
+            quantized = torch._make_per_channel_quantized_tensor(
+                weight.qdata, weight.scale.reshape(-1).double(), torch.zeros(out_features, dtype=torch.long), 0
+            )
+            self._packed = _PackedWeight(torch.ops.quantized.linear_prepack(quantized, None), out_features)
+        self.key = next(_packed_keys)
+        _PACKED[self.key] = self._packed
+        self.bias = bias
+        self.out_dtype = weight.dtype
+        ends = torch.zeros(1, in_features)
+        ends[0, :2] = torch.tensor([ROW_END, -ROW_END - 2])
+        self.register_buffer("ends", ends, persistent=False)
+
+    def forward(self, x):  # [..., in]
+        rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
+        scale = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / ROW_END  # [M, 1]
+        product = torch.ops.minimind.int8_rows_product(torch.cat([rows / scale, self.ends]), self.key)
+        out = product[:-1] * scale  # [M, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(self.out_dtype).reshape(*x.shape[:-1], -1)
 
 
 def _modules_copied(module: torch.nn.Module) -> torch.nn.Module:

@@ -156,15 +156,23 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
         assert ratio_line("peers-decode-b8-minimind-compiled-bf16", "peers-decode-b8-llamacpp-f16") in text
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8"])
-def test_compiled_rows_describe_their_kernels(weights):
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int8 without dot products"])
+def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
     until the row runs)."""
     from bench.peers import _compiled_decode, _minimind_greedy
-    from minimind.decode import quantize_weights_int8
+    from minimind.decode import int8, quantize_weights_int8
 
-    if weights == "int8" and int8_missing():
+    if weights.startswith("int8") and int8_missing():
         pytest.skip(int8_missing())
+    if weights == "int8 without dot products":
+        if not int8.fbgemm_products():
+            pytest.skip("this torch has no fbgemm (x86 builds only)")
+        weights = "int8"
+        monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
+    else:
+        monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: True)
+    seven_bit = int8.cpu_computes_natively(torch.int8) is False
     model = tiny_model(std=0.3)
     if weights != "fp32":
         model = model.to(torch.bfloat16)
@@ -174,11 +182,14 @@ def test_compiled_rows_describe_their_kernels(weights):
     for rows in (ids, ids.repeat(PEER_BATCH, 1)):
         _, describe = _compiled_decode(model, rows, 4, weights)
         plain = _minimind_greedy(model, rows, 4)
-        products = (
-            FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])]
-            if weights == "fp32"
-            else "prepacked weights, autotuned GEMMs"
-        )
+        if weights == "fp32":
+            products = FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])]
+        elif weights == "bf16" or rows.shape[0] == 1:
+            products = "prepacked weights, autotuned GEMMs"
+        elif seven_bit:
+            products = "7-bit activations per row through fbgemm"
+        else:
+            products = "prepacked weights, 8-bit activations per row, autotuned GEMMs"
         assert describe(plain) == (
             f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, "
             f"{products}, grouped-query attention over the written cache, compiled in 0 s; "
@@ -457,6 +468,8 @@ def test_header_names_the_cpu_kernels_each_side_was_built_for(monkeypatch):
     assert machine_details()["MKL instructions cap"] == "AVX2"
     monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
     assert "MKL instructions cap" not in machine_details()
+    monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")
+    assert machine_details()["fbgemm instructions cap"] == "AVX2"
 
 
 def test_run_details_say_how_the_heap_is_kept(monkeypatch):

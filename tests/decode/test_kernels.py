@@ -2,6 +2,9 @@
 projections and frozen bf16 weights, int8 weights through torchao; each checked against generate's tokens.
 These depend on torch and the CPU alone, so the transformers 5.17 leg leaves them to the main one."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -543,17 +546,78 @@ def test_int8_rows_multiply_int8_activations_over_the_same_weights(int8_model, m
     torch.testing.assert_close(linear(x), rows_alone, atol=0, rtol=0)
 
     monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
-    assert int8_activation_products(int8_model) is None
+    monkeypatch.setattr(int8, "fbgemm_products", lambda: False)
+    assert int8_activation_products(int8_model) is None  # no 8-bit dot products, no fbgemm
+    monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: None)
+    assert int8_activation_products(int8_model) is None  # the CPU's features unknown
     assert int8_activation_products(tiny_model()) is None
     monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: True)
     monkeypatch.setitem(__import__("sys").modules, "torchao.quantization.quantize_.workflows.int8.int8_tensor", None)
     assert int8_activation_products(int8_model) is None  # a torchao without the activations' settings there
 
 
-def test_int8_steps_of_several_rows_take_int8_activations(int8_model):
-    """A decoder's one-row step runs the weight-only model, a step of several rows the int8-activation view."""
+@pytest.fixture
+def int8_model_without_dot_products(int8_model, monkeypatch):
+    """The tiny int8 model on a CPU said to have no 8-bit dot products (int8 rows through fbgemm)."""
+    from minimind.decode import int8
+
+    if not int8.fbgemm_products():
+        pytest.skip("this torch has no fbgemm (x86 builds only)")
+    monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
+    return int8_model
+
+
+def test_int8_rows_without_dot_products_multiply_7_bit_activations(int8_model_without_dot_products):
+    """Without 8-bit dot products several rows multiply the same int8 weights by 7-bit activations, one symmetric
+    scale per row (-63..63 times the row's largest magnitude / 63): exactly that product, whatever the other rows."""
+    from minimind.decode import int8_activation_products
+    from minimind.decode.int8 import Int8RowsProduct
+
+    model = int8_model_without_dot_products
+    view = int8_activation_products(model)
+    products = [m for m in view.modules() if isinstance(m, Int8RowsProduct)]
+    assert len(products) == 7 * model.config.num_hidden_layers + 1
+    assert not any(isinstance(m, Int8RowsProduct) for m in model.modules())  # the model itself untouched
+    assert view.model.embed_tokens.weight is model.model.embed_tokens.weight
+
+    linear, weight = view.model.layers[0].mlp.down_proj, model.model.layers[0].mlp.down_proj.weight
+    columns = weight.qdata.float() * weight.scale.float().reshape(-1, 1)  # [out, in], dequantized
+    # a row of noise, the same 30 times larger, and a row of 0.25 with one 100, whose 0.25s fall between 0 and the
+    # grid's first step (100 / 63): that row keeps the 100's column alone, where a 16-bit activation keeps them all
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)) * torch.tensor(
+        [[1.0], [30.0], [0]]
+    )
+    x[2] = 0.25
+    x[2, 7] = 100.0
+    x = x.to(torch.bfloat16)
+    largest = x.float().abs().amax(-1, keepdim=True)
+    on_grid = torch.round(x.float() * 63 / largest) * largest / 63  # [3, in], 7 bits a row
+    out = linear(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, weight.shape[0])
+    torch.testing.assert_close(out.float(), on_grid @ columns.T, atol=0, rtol=0.008)  # bf16's rounding alone
+    torch.testing.assert_close(out[2].float(), 100 * columns[:, 7], atol=0, rtol=0.008)
+    weight_only = model.model.layers[0].mlp.down_proj(x).float()
+    torch.testing.assert_close(weight_only, x.float() @ columns.T, atol=0.02, rtol=0.01)
+    assert (out[2].float() - weight_only[2]).abs().max() > 0.5
+    rows_alone = torch.cat([linear(torch.cat([x[i : i + 1], x[i : i + 1] * 1000])[:1]) for i in range(3)])
+    torch.testing.assert_close(out, rows_alone, atol=0, rtol=0)  # beside a row 1000 times larger: the same
+
+
+@pytest.mark.parametrize("cpu", ["int8_model", "int8_model_without_dot_products"])
+def test_int8_steps_of_several_rows_take_int8_activations(cpu, request):
+    """A decoder's one-row step runs the weight-only model, a step of several rows the int8-activation view, which
+    is built for the first such step (fbgemm's packed copies of the weights are made only where they are used)."""
+    from minimind.decode.int8 import _PACKED
+
+    int8_model = request.getfixturevalue(cpu)
+    gc.collect()  # earlier tests' packed weights gone before counting
+    packed = len(_PACKED)
     decoder = CompiledDecoder(int8_model, compile=False)
+    decoder.generate(PROMPT, max_new_tokens=2, **greedy())
+    assert len(_PACKED) == packed
     assert decoder.model_for(1) is int8_model and decoder.model_for(3) is decoder.rows_model is not None
+    linears = 7 * int8_model.config.num_hidden_layers + 1
+    assert len(_PACKED) - packed == (linears if cpu == "int8_model_without_dot_products" else 0)
     for rows, model in ((3, decoder.rows_model), (1, int8_model)):
         token, position = BATCH[:rows, -1:], torch.tensor([BATCH.shape[1]])
         with torch.no_grad():
@@ -577,6 +641,32 @@ def test_compiled_int8_rows_decode_as_eager_int8_rows(int8_model):
     # a rounding flip of one 8-bit activation (inductor's fused quantization against torchao's eager one) can part
     # them later on
     assert torch.equal(out[:, : BATCH.shape[1] + 8], plain[:, : BATCH.shape[1] + 8])
+
+
+@pytest.mark.slow
+def test_compiled_int8_rows_without_dot_products_multiply_through_fbgemm(int8_model_without_dot_products, monkeypatch):
+    """Without 8-bit dot products the compiled step of several rows calls fbgemm's product for every int8 weight at
+    every step, and decodes the batch as the eager step does."""
+    from minimind.decode import int8
+
+    model, calls = int8_model_without_dot_products, []
+
+    class Counted(weakref.WeakValueDictionary):
+        def __getitem__(self, key):
+            calls.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(int8, "_PACKED", Counted())
+    decoder = CompiledDecoder(model)
+    decoder.generate(BATCH, max_new_tokens=3, **greedy())  # compiles the step
+    calls.clear()
+    out = decoder.generate(BATCH, max_new_tokens=9, **greedy())  # the prompt, then 8 steps
+    linears = 7 * model.config.num_hidden_layers + 1
+    assert len(calls) == 8 * linears and len(set(calls)) == linears
+    plain = CompiledDecoder(model, compile=False).generate(BATCH, max_new_tokens=9, **greedy())
+    # 7-bit activations round at steps twice 8-bit's: a flip of one (inductor's fused norms against eager ones)
+    # parts the random tiny model's tokens sooner than the 8-bit rows' above
+    assert torch.equal(out[:, : BATCH.shape[1] + 4], plain[:, : BATCH.shape[1] + 4])
 
 
 @pytest.mark.slow
