@@ -32,13 +32,22 @@ def lazy_zeros(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
 
 
 def zero_again(tensor: torch.Tensor) -> None:
-    """Zeroes a tensor made by `lazy_zeros`, its pages no longer resident (any other device's tensor: `zero_()`)."""
+    """Zeroes a tensor made by `lazy_zeros` (its whole storage), its pages no longer resident; any other device's
+    tensor: `zero_()`. Only the pages that lie wholly inside the storage are handed back: the kernel drops every page
+    the range touches, and on a page shared with other memory (a small tensor from the heap) that would zero its
+    neighbours too. The bytes outside those pages are written."""
     if not _MAPPED or tensor.device.type != "cpu" or tensor.numel() == 0:
         tensor.zero_()
         return
     storage = tensor.untyped_storage()
-    if not madvise(storage.data_ptr(), storage.nbytes(), MADV_DONTNEED):
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last <= first or not madvise(first, last - first, MADV_DONTNEED):
         tensor.zero_()
+        return
+    data = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes], the storage's bytes
+    data[: first - start].zero_()
+    data[last - start :].zero_()
 
 
 def madvise(start: int, length: int, advice: int) -> bool:
