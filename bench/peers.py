@@ -193,6 +193,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
     decode function, and the row's note from its tokens: the compile time and the tokens shared with plain
     `generate` at the same precision. `compile=False`: the same decoder with its steps run eagerly."""
     from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, SixteenBitProducts, fp32_product_kernel
+    from minimind.decode.fbgemm import Float16RowsProduct
     from minimind.decode.int8 import Int8RowsProduct
 
     decoder = CompiledDecoder(model, compile=compile)
@@ -209,6 +210,8 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         step_model = decoder.model_for(ids.shape[0])
         if decoder.dtype == torch.float32:
             products = FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])]
+        elif any(isinstance(module, Float16RowsProduct) for module in step_model.modules()):
+            products, gemms = "16-bit weights as float16 through fbgemm", False
         elif isinstance(settings["post_grad_custom_pre_pass"], SixteenBitProducts):
             products = FP32_PRODUCTS["sums"]
         elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):

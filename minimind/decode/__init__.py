@@ -17,6 +17,8 @@ Every name is importable from here; each lives in the module that does its job:
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).
 - `int8`: int8 decoder layers and LM head (`quantize_weights_int8`), multiplied by int8 activations over several
   rows (`int8_activation_products`).
+- `fbgemm`: products over fbgemm's packed weights for steps of several rows (the op `minimind::fbgemm_product`,
+  `packed_weight`); 16-bit weights as float16 where torch's kernels stop at AVX2 (`float16_rows_products`).
 - `widened`: float32 arithmetic for prompts over 16-bit weights on a CPU without 16-bit arithmetic
   (`widen_products`, `WidenedLinear`).
 """
@@ -24,6 +26,7 @@ Every name is importable from here; each lives in the module that does its job:
 from minimind.decode.attention import GROUPED_QUERY_SDPA, grouped_query_sdpa
 from minimind.decode.attention import _attends_written_part as _attends_written_part  # read by the tests
 from minimind.decode.compiled import CACHE_BUCKET, CompiledDecoder, CompiledStep, cache_length
+from minimind.decode.fbgemm import Float16RowsProduct, float16_rows_products
 from minimind.decode.fp32_products import (
     INTEL_CPU,
     ONEDNN_MIN_ROWS,
@@ -45,6 +48,7 @@ __all__ = [
     "WIDEN_MIN_ROWS",
     "CompiledDecoder",
     "CompiledStep",
+    "Float16RowsProduct",
     "Fp32Products",
     "RowCache",
     "RowDecoder",
@@ -52,6 +56,7 @@ __all__ = [
     "WidenedLinear",
     "cache_length",
     "choose_tokens",
+    "float16_rows_products",
     "fp32_product_kernel",
     "grouped_query_sdpa",
     "int8_activation_products",

@@ -44,6 +44,7 @@ from transformers import StaticCache, StoppingCriteriaList
 from transformers.cache_utils import Cache
 
 from minimind.decode.attention import GROUPED_QUERY_SDPA
+from minimind.decode.fbgemm import float16_rows_products
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
 from minimind.decode.int8 import int8_activation_products, plain_weights
 from minimind.decode.memory import lazy_zeros, zero_again
@@ -156,14 +157,16 @@ class CompiledStep:
 
     @property
     def rows_model(self):
-        """What steps of several rows run where it is not `model` (`int8_activation_products`), else None."""
+        """What steps of several rows run where it is not `model`, else None: int8 weights by int8 activations
+        (`int8_activation_products`), 16-bit weights through fbgemm where torch's kernels stop at AVX2
+        (`float16_rows_products`)."""
         if self._rows_model is _NOT_YET:
-            self._rows_model = int8_activation_products(self.model)
+            rows = int8_activation_products if not plain_weights(self.model) else float16_rows_products
+            self._rows_model = rows(self.model)
         return self._rows_model
 
     def model_for(self, batch: int):
-        """The model a step of `batch` rows runs: int8 weights multiply several rows with int8 activations
-        (`int8_activation_products`), one row with 16-bit ones."""
+        """The model a step of `batch` rows runs: `rows_model` for several rows where there is one, else `model`."""
         return self.rows_model if batch > 1 and self.rows_model is not None else self.model
 
     def _own_step(self):
@@ -307,6 +310,9 @@ class CompiledStep:
     def _package(self, token, position, cache):
         """The loaded package of the step for these inputs' shapes: from this decoder's own, the cache directory, or
         built (exported, compiled by AOTInductor with `inductor_settings`) and kept there."""
+        # what the step runs, built before a package of it is loaded: its fbgemm products find their packed weights
+        # by the values they were packed from
+        self.model_for(token.shape[0])
         inputs = self._step_inputs(token, position, cache)
         signature = tuple(map(tuple, map(lambda row: tuple(map(str, row)), inputs_signature(inputs))))
         if signature in self._packaged:

@@ -5,32 +5,12 @@ commands (`quantize_weights_int8`), and the same weights seen with int8 activati
 from __future__ import annotations
 
 import copy
-import itertools
 import warnings
-import weakref
 
 import torch
 
+from minimind.decode.fbgemm import fbgemm_products, packed_weight
 from minimind.hardware import cpu_computes_natively
-
-# fbgemm's packed copies of int8 weights (`Int8RowsProduct`), by key: the compiled steps call the product as an op
-# over plain tensors and an integer, since dynamo cannot put fbgemm's packed-weight object into a graph.
-_PACKED: weakref.WeakValueDictionary[int, _PackedWeight] = weakref.WeakValueDictionary()
-_packed_keys = itertools.count()
-torch.library.define("minimind::int8_rows_product", "(Tensor rows, int weight) -> Tensor")
-
-
-@torch.library.impl("minimind::int8_rows_product", "cpu")
-def _int8_rows_product(rows, weight):
-    """rows [M, in] float32 -> [M, out] float32, the rows quantized together with one scale and zero point."""
-    # reduce_range: 7-bit activations, so that a pair of 8-bit weights times activations adds up within 16 bits,
-    # as a CPU without 8-bit dot products adds them (fbgemm's default on x86 for the same reason)
-    return torch.ops.quantized.linear_dynamic(rows, _PACKED[weight].packed, True)
-
-
-@torch.library.register_fake("minimind::int8_rows_product")
-def _int8_rows_product_shape(rows, weight):
-    return rows.new_empty(rows.shape[0], _PACKED[weight].out_features)
 
 
 def quantize_weights_int8(model):
@@ -91,7 +71,7 @@ def int8_activation_products(model):
     native = cpu_computes_natively(torch.int8)
     if not weight_only or native is None or (not native and not fbgemm_products()):
         return None
-    view = _modules_copied(model)
+    view = modules_copied(model)
     if not native:
         for name in weight_only:
             linear = model.get_submodule(name)
@@ -117,23 +97,14 @@ def int8_activation_products(model):
     return view
 
 
-def fbgemm_products() -> bool:
-    """Whether this torch multiplies int8 weights by dynamically quantized activations through fbgemm (x86 builds).
-    Torch has deprecated its quantized tensors, which fbgemm's packing takes: where a later torch drops them, steps
-    of several rows on a CPU without 8-bit dot products keep the weight-only product."""
-    return (
-        "fbgemm" in torch.backends.quantized.supported_engines
-        and hasattr(torch, "_make_per_channel_quantized_tensor")
-        and all(hasattr(torch.ops.quantized, op) for op in ("linear_prepack", "linear_dynamic"))
-    )
-
-
 ROW_END = 126.0  # what each row's largest magnitude is scaled to for `Int8RowsProduct`
 
 
-class _PackedWeight:
-    def __init__(self, packed, out_features: int):
-        self.packed, self.out_features = packed, out_features
+def _7_bit_product(packed, rows):
+    """rows [M, in] float32 -> [M, out] float32, the rows quantized together with one scale and zero point."""
+    # reduce_range: 7-bit activations, so that a pair of 8-bit weights times activations adds up within 16 bits,
+    # as a CPU without 8-bit dot products adds them (fbgemm's default on x86 for the same reason)
+    return torch.ops.quantized.linear_dynamic(rows, packed, True)
 
 
 class Int8RowsProduct(torch.nn.Module):
@@ -148,14 +119,17 @@ class Int8RowsProduct(torch.nn.Module):
     def __init__(self, weight, bias=None):
         super().__init__()
         out_features, in_features = weight.qdata.shape
-        with warnings.catch_warnings():  # torch's quantized tensors announce their deprecation
-            warnings.simplefilter("ignore")
-            quantized = torch._make_per_channel_quantized_tensor(
-                weight.qdata, weight.scale.reshape(-1).double(), torch.zeros(out_features, dtype=torch.long), 0
-            )
-            self._packed = _PackedWeight(torch.ops.quantized.linear_prepack(quantized, None), out_features)
-        self.key = next(_packed_keys)
-        _PACKED[self.key] = self._packed
+
+        def pack():
+            with warnings.catch_warnings():  # torch's quantized tensors announce their deprecation
+                warnings.simplefilter("ignore")
+                quantized = torch._make_per_channel_quantized_tensor(
+                    weight.qdata, weight.scale.reshape(-1).double(), torch.zeros(out_features, dtype=torch.long), 0
+                )
+                return torch.ops.quantized.linear_prepack(quantized, None)
+
+        self._packed = packed_weight("int8", [weight.qdata, weight.scale], pack, _7_bit_product)
+        self.key = self._packed.key
         self.bias = bias
         self.out_dtype = weight.dtype
         ends = torch.zeros(1, in_features)
@@ -165,20 +139,20 @@ class Int8RowsProduct(torch.nn.Module):
     def forward(self, x):  # [..., in]
         rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
         scale = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / ROW_END  # [M, 1]
-        product = torch.ops.minimind.int8_rows_product(torch.cat([rows / scale, self.ends]), self.key)
+        product = torch.ops.minimind.fbgemm_product(torch.cat([rows / scale, self.ends]), self.key)
         out = product[:-1] * scale  # [M, out]
         if self.bias is not None:
             out = out + self.bias
         return out.to(self.out_dtype).reshape(*x.shape[:-1], -1)
 
 
-def _modules_copied(module: torch.nn.Module) -> torch.nn.Module:
+def modules_copied(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` and its submodules whose parameters, buffers and other attributes (the config among them)
     are the original's own objects."""
     clone = copy.copy(module)
     clone._parameters = dict(module._parameters)
     clone._buffers = dict(module._buffers)
     clone._modules = {
-        name: None if child is None else _modules_copied(child) for name, child in module._modules.items()
+        name: None if child is None else modules_copied(child) for name, child in module._modules.items()
     }
     return clone

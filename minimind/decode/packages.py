@@ -53,6 +53,7 @@ _SOURCES = (
     "fp32_products.py",
     "sixteen_bit_products.py",
     "graph_edits.py",
+    "fbgemm.py",
     "rows.py",
     "packages.py",
 )

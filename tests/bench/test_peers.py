@@ -156,22 +156,26 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
         assert ratio_line("peers-decode-b8-minimind-compiled-bf16", "peers-decode-b8-llamacpp-f16") in text
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "int8", "int8 without dot products"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16 under AVX2", "int8", "int8 without dot products"])
 def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
     until the row runs)."""
     from bench.peers import _compiled_decode, _minimind_greedy
-    from minimind.decode import int8, quantize_weights_int8
+    from minimind.decode import fbgemm, int8, quantize_weights_int8
 
     if weights.startswith("int8") and int8_missing():
         pytest.skip(int8_missing())
+    if weights in ("int8 without dot products", "bf16 under AVX2") and not fbgemm.fbgemm_products():
+        pytest.skip("this torch has no fbgemm (x86 builds only)")
     if weights == "int8 without dot products":
-        if not int8.fbgemm_products():
-            pytest.skip("this torch has no fbgemm (x86 builds only)")
         weights = "int8"
         monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
     else:
         monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: True)
+    # where torch's kernels stop at AVX2 (only the rows' choice is imitated: the steps' other settings stay native)
+    avx2 = weights == "bf16 under AVX2"
+    weights = weights.removesuffix(" under AVX2")
+    monkeypatch.setattr(fbgemm, "torch_kernels_avx512", lambda: not avx2)
     seven_bit = int8.cpu_computes_natively(torch.int8) is False
     model = tiny_model(std=0.3)
     if weights != "fp32":
@@ -184,6 +188,8 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
         plain = _minimind_greedy(model, rows, 4)
         if weights == "fp32":
             products = FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])]
+        elif avx2 and rows.shape[0] > 1:
+            products = "16-bit weights as float16 through fbgemm"
         elif weights == "bf16" or rows.shape[0] == 1:
             products = "prepacked weights, autotuned GEMMs"
         elif seven_bit:

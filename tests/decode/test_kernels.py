@@ -21,6 +21,13 @@ def compile_in_process(monkeypatch):
     monkeypatch.setattr(compiled, "_exportable", lambda model: False)
 
 
+@pytest.fixture(autouse=True)
+def fresh_graphs(monkeypatch):
+    """Inductor builds every graph here: one its FX-graph cache holds from an earlier run would skip the passes
+    these tests record the graph's products with."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(std=0.3)
@@ -455,6 +462,120 @@ def test_16_bit_one_row_package_holds_each_weight_once(monkeypatch, tmp_path):
     assert torch.equal(out, eager) and torch.equal(again, eager)
 
 
+@pytest.fixture
+def kernels_at_avx2(monkeypatch):
+    """Torch's kernels said to stop at AVX2 (as on a CPU without AVX-512, or under `ATEN_CPU_CAPABILITY=avx2`), where
+    steps of several rows over 16-bit weights multiply through fbgemm."""
+    from minimind.decode import fbgemm
+
+    if not fbgemm.fbgemm_products():
+        pytest.skip("this torch has no fbgemm (x86 builds only)")
+    monkeypatch.setattr(fbgemm, "torch_kernels_avx512", lambda: False)
+    monkeypatch.setattr(compiled, "torch_kernels_avx512", lambda: False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rows_multiply_as_float16_through_fbgemm_where_kernels_stop_at_avx2(
+    dtype, kernels_at_avx2, monkeypatch
+):
+    """Where torch's kernels stop at AVX2, steps of several rows multiply every 16-bit linear layer (the head too)
+    through fbgemm: float32 rows times the weight's own values (exactly float16 values), summed in float32, rounded
+    once to the weights' dtype. The model itself is untouched; a weight is packed once, found again by its values."""
+    from minimind.decode import fbgemm
+    from minimind.decode.fbgemm import Float16RowsProduct, float16_rows_products
+
+    model = tiny_model(std=0.3).to(dtype)
+    view = float16_rows_products(model)
+    products = [m for m in view.modules() if isinstance(m, Float16RowsProduct)]
+    assert len(products) == 7 * model.config.num_hidden_layers + 1 and len({p.key for p in products}) == len(products)
+    assert not any(isinstance(m, Float16RowsProduct) for m in model.modules())  # the model itself untouched
+    assert view.model.embed_tokens.weight is model.model.embed_tokens.weight
+
+    linear, weight = view.model.layers[0].mlp.down_proj, model.model.layers[0].mlp.down_proj.weight
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(dtype)
+    exact = x.double() @ weight.double().T  # [3, out]
+    sums = torch.ops.minimind.fbgemm_product(x.float(), linear.key)
+    assert sums.dtype == torch.float32
+    torch.testing.assert_close(sums.double(), exact, atol=1e-5, rtol=1e-6)  # float32 sums of the exact products
+    out = linear(x[:, None])  # [3, 1, in]: the rows of any leading dimensions
+    assert out.dtype == dtype and out.shape == (3, 1, weight.shape[0])
+    assert torch.equal(out[:, 0], sums.to(dtype))
+
+    again = [m for m in float16_rows_products(model).modules() if isinstance(m, Float16RowsProduct)]
+    assert all(a._packed is p._packed for a, p in zip(again, products))  # the same values: the same packed copy
+    changed = tiny_model(std=0.3).to(dtype)
+    with torch.no_grad():
+        changed.model.layers[0].mlp.down_proj.weight[0, 0] += 1
+    keys = [m.key for m in float16_rows_products(changed).modules() if isinstance(m, Float16RowsProduct)]
+    assert [k == p.key for k, p in zip(keys, products)].count(False) == 1
+    with torch.no_grad():  # beyond float16's range, which fbgemm's packing would clamp to: the layer keeps its product
+        changed.model.layers[0].mlp.down_proj.weight[0, 0] = 1e5
+    beyond = float16_rows_products(changed)
+    assert type(beyond.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert sum(isinstance(m, Float16RowsProduct) for m in beyond.modules()) == len(products) - 1
+
+    assert float16_rows_products(tiny_model()) is None  # fp32 weights
+    monkeypatch.setattr(fbgemm, "fbgemm_products", lambda: False)
+    assert float16_rows_products(model) is None
+    monkeypatch.setattr(fbgemm, "fbgemm_products", lambda: True)
+    monkeypatch.setattr(fbgemm, "torch_kernels_avx512", lambda: True)
+    assert float16_rows_products(model) is None  # torch's own kernels on AVX-512
+
+
+def test_16_bit_steps_of_several_rows_take_fbgemm_where_kernels_stop_at_avx2(kernels_at_avx2):
+    """A bf16 decoder's one-row step runs the model, a step of several rows the fbgemm view, built for the first such
+    step; the batch decodes greedily by the model's own logits."""
+    from minimind.decode import fbgemm
+
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    gc.collect()
+    packed = len(fbgemm._PACKED)
+    decoder = CompiledDecoder(model, compile=False)
+    decoder.generate(PROMPT, max_new_tokens=2, **greedy())
+    assert len(fbgemm._PACKED) == packed  # a one-row decoder packs nothing
+    out = decoder.generate(BATCH, max_new_tokens=8, **greedy())
+    assert decoder.model_for(1) is model and decoder.model_for(3) is decoder.rows_model is not None
+    assert len(fbgemm._PACKED) - packed == 7 * model.config.num_hidden_layers + 1
+    for row in range(BATCH.shape[0]):
+        assert greedy_gap(model, out[row : row + 1], BATCH.shape[1]) <= 0.0625
+
+
+@pytest.mark.slow
+def test_16_bit_several_rows_package_multiplies_through_fbgemm(kernels_at_avx2, monkeypatch, tmp_path):
+    """Under AOTInductor a bf16 step of several rows calls fbgemm once per linear layer and step; a decoder in which
+    every packed copy was made afresh (as in a later process) loads the package, and both decode the eager fbgemm
+    step's tokens."""
+    from minimind.decode import fbgemm
+
+    calls = []
+
+    class Counted(weakref.WeakValueDictionary):
+        def __getitem__(self, key):
+            calls.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(compiled, "_exportable", compiled.plain_weights)
+    monkeypatch.setattr(fbgemm, "_PACKED", Counted())
+    model = tiny_model(std=0.3).to(torch.bfloat16)
+    eager = CompiledDecoder(model, compile=False).generate(BATCH, max_new_tokens=9, **greedy())
+    decoder = CompiledDecoder(model, cache_dir=tmp_path)
+    assert decoder.backend == "aoti"
+    decoder.generate(BATCH, max_new_tokens=3, **greedy())  # builds the package
+    calls.clear()
+    out = decoder.generate(BATCH, max_new_tokens=9, **greedy())  # the prompt, then 8 steps
+    linears = 7 * model.config.num_hidden_layers + 1
+    assert len(calls) == 8 * linears and len(set(calls)) == linears
+    assert (decoder.packages.built, decoder.packages.loaded) == (1, 0)
+    del decoder
+    gc.collect()
+    assert len(fbgemm._PACKED) == 0  # no packed copy left to find
+    later = CompiledDecoder(model, cache_dir=tmp_path)
+    again = later.generate(BATCH, max_new_tokens=9, **greedy())
+    assert (later.packages.built, later.packages.loaded) == (0, 1)
+    # inductor's fused norms round a near tie of the random tiny model the other way at times, as for int8 rows
+    assert torch.equal(out, again) and torch.equal(out[:, : BATCH.shape[1] + 4], eager[:, : BATCH.shape[1] + 4])
+
+
 def test_int8_quantizes_every_projection_per_row():
     """int8 weights quantize every decoder projection and the LM head per row; the embedding stays 16-bit."""
     pytest.importorskip("torchao")
@@ -607,7 +728,7 @@ def test_int8_rows_without_dot_products_multiply_7_bit_activations(int8_model_wi
 def test_int8_steps_of_several_rows_take_int8_activations(cpu, request):
     """A decoder's one-row step runs the weight-only model, a step of several rows the int8-activation view, which
     is built for the first such step (fbgemm's packed copies of the weights are made only where they are used)."""
-    from minimind.decode.int8 import _PACKED
+    from minimind.decode.fbgemm import _PACKED
 
     int8_model = request.getfixturevalue(cpu)
     gc.collect()  # earlier tests' packed weights gone before counting
@@ -647,7 +768,7 @@ def test_compiled_int8_rows_decode_as_eager_int8_rows(int8_model):
 def test_compiled_int8_rows_without_dot_products_multiply_through_fbgemm(int8_model_without_dot_products, monkeypatch):
     """Without 8-bit dot products the compiled step of several rows calls fbgemm's product for every int8 weight at
     every step, and decodes the batch as the eager step does."""
-    from minimind.decode import int8
+    from minimind.decode import fbgemm
 
     model, calls = int8_model_without_dot_products, []
 
@@ -656,7 +777,7 @@ def test_compiled_int8_rows_without_dot_products_multiply_through_fbgemm(int8_mo
             calls.append(key)
             return super().__getitem__(key)
 
-    monkeypatch.setattr(int8, "_PACKED", Counted())
+    monkeypatch.setattr(fbgemm, "_PACKED", Counted())
     decoder = CompiledDecoder(model)
     decoder.generate(BATCH, max_new_tokens=3, **greedy())  # compiles the step
     calls.clear()
