@@ -213,7 +213,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         elif any(isinstance(module, Float16RowsProduct) for module in step_model.modules()):
             products, gemms = "16-bit weights as float16 through fbgemm", False
         elif isinstance(settings["post_grad_custom_pre_pass"], SixteenBitProducts):
-            products = FP32_PRODUCTS["sums"]
+            products, gemms = FP32_PRODUCTS["sums"], False  # no product left to tune
         elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):
             products, gemms = "7-bit activations per row through fbgemm", False
         elif step_model is not model:

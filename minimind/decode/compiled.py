@@ -59,7 +59,7 @@ from minimind.decode.packages import (
 )
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.decode.sixteen_bit_products import SixteenBitProducts
-from minimind.hardware import cpu_caps, cpu_computes_natively, torch_kernels_avx512
+from minimind.hardware import cpu_caps, cpu_computes_natively, torch_kernels_avx512, usable_cpu_features
 from minimind.heap import trim_heap
 
 # Cache lengths are multiples of this: one compiled graph serves every reply in a bucket, so a chat compiles again
@@ -146,12 +146,15 @@ class CompiledStep:
     def _products_pass(self, batch: int, template: bool):
         """The inductor pass that picks the steps' product kernels: fp32's table, or blocked sums for 16-bit weights
         where they decoded faster than the products otherwise taken: one row of bfloat16 without bfloat16
-        arithmetic (the template alone) and of float16 on every CPU (with AVX-512's float16 arithmetic too,
-        oneDNN's), and several rows of either where torch's kernels stop at AVX2."""
+        arithmetic (the template alone) or with it but without AMX's tiles (oneDNN's), one row of float16 on every
+        CPU (with AVX-512's float16 arithmetic too, oneDNN's), and several rows of either where torch's kernels stop
+        at AVX2."""
         if self.dtype == torch.float32:
             return Fp32Products()
         on_cpu = next(self.model.parameters()).device.type == "cpu"  # what was measured
-        slower = template or self.dtype == torch.float16
+        features = usable_cpu_features()
+        without_tiles = batch == 1 and features is not None and "amx_bf16" not in features
+        slower = template or self.dtype == torch.float16 or without_tiles
         sums = on_cpu and plain_weights(self.model) and slower and (batch == 1 or not torch_kernels_avx512())
         return SixteenBitProducts() if sums else None
 

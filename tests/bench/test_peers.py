@@ -156,12 +156,14 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
         assert ratio_line("peers-decode-b8-minimind-compiled-bf16", "peers-decode-b8-llamacpp-f16") in text
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16 under AVX2", "int8", "int8 without dot products"])
+@pytest.mark.parametrize(
+    "weights", ["fp32", "bf16", "bf16 without AMX", "bf16 under AVX2", "int8", "int8 without dot products"]
+)
 def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
     until the row runs)."""
     from bench.peers import _compiled_decode, _minimind_greedy
-    from minimind.decode import fbgemm, int8, quantize_weights_int8
+    from minimind.decode import compiled, fbgemm, int8, quantize_weights_int8
 
     if weights.startswith("int8") and int8_missing():
         pytest.skip(int8_missing())
@@ -174,7 +176,11 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
         monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: True)
     # where torch's kernels stop at AVX2 (only the rows' choice is imitated: the steps' other settings stay native)
     avx2 = weights == "bf16 under AVX2"
-    weights = weights.removesuffix(" under AVX2")
+    # bfloat16 arithmetic with AMX's tiles, or without them (one row then takes the sums)
+    tiles = weights != "bf16 without AMX"
+    features = {"avx512_bf16", "avx512_vnni"} | ({"amx_bf16"} if tiles else set())
+    monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset(features))
+    weights = weights.removesuffix(" under AVX2").removesuffix(" without AMX")
     monkeypatch.setattr(fbgemm, "torch_kernels_avx512", lambda: not avx2)
     seven_bit = int8.cpu_computes_natively(torch.int8) is False
     model = tiny_model(std=0.3)
@@ -190,6 +196,8 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
             products = FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])]
         elif avx2 and rows.shape[0] > 1:
             products = "16-bit weights as float16 through fbgemm"
+        elif not tiles and rows.shape[0] == 1:
+            products = "products as sums over blocks of weight rows"
         elif weights == "bf16" or rows.shape[0] == 1:
             products = "prepacked weights, autotuned GEMMs"
         elif seven_bit:

@@ -60,10 +60,17 @@ def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(
     assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
     assert settings["post_grad_custom_pre_pass"] is None
     native.update({torch.bfloat16: True, torch.float16: True})
+    monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     for batch in (1, 8):
         settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(batch)
         assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
         assert settings["post_grad_custom_pre_pass"] is None
+    # bfloat16 arithmetic without AMX's tiles: one row takes the sums (oneDNN's product decoded slower there)
+    monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset({"avx512_bf16"}))
+    decoder = CompiledDecoder(tiny_model().to(torch.bfloat16))
+    assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
+    assert decoder.inductor_settings(8)["post_grad_custom_pre_pass"] is None
+    assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == "CPP,ATEN"
     # float16's one row takes the sums with float16 arithmetic too (oneDNN's product over it decoded slower)
     decoder = CompiledDecoder(tiny_model().to(torch.float16))
     assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
@@ -80,6 +87,7 @@ def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(
     assert CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(8)["post_grad_custom_pre_pass"] is None
     monkeypatch.setattr(compiled, "torch_kernels_avx512", lambda: True)
     native[torch.bfloat16] = None  # features unknown: as before
+    monkeypatch.setattr(compiled, "usable_cpu_features", lambda: None)
     settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(1)
     assert settings["max_autotune_gemm_backends"] == "CPP,ATEN" and settings["post_grad_custom_pre_pass"] is None
 
@@ -184,19 +192,26 @@ def test_fp32_products_of_several_rows_become_blocked_sums():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("dtype", "native"),
-    [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True)],
-    ids=["bf16-arithmetic", "no-bf16-arithmetic", "fp16-arithmetic"],
+    ("dtype", "native", "tiles"),
+    [
+        (torch.bfloat16, True, True),
+        (torch.bfloat16, True, False),
+        (torch.bfloat16, False, False),
+        (torch.float16, True, True),
+    ],
+    ids=["bf16-arithmetic-amx", "bf16-arithmetic", "no-bf16-arithmetic", "fp16-arithmetic"],
 )
-def test_16_bit_frozen_weights_decode_greedily(dtype, native, monkeypatch):
-    """Compiled 16-bit frozen weights decode greedily: bf16 autotuned, or (on a CPU without bf16 arithmetic, and
-    float16 everywhere) as blocked sums (`SixteenBitProducts`: not one matrix product left in the step)."""
+def test_16_bit_frozen_weights_decode_greedily(dtype, native, tiles, monkeypatch):
+    """Compiled 16-bit frozen weights decode greedily: bf16 with AMX's tiles autotuned, or (on a CPU without them or
+    without bf16 arithmetic, and float16 everywhere) as blocked sums (`SixteenBitProducts`: not one matrix product
+    left in the step)."""
     monkeypatch.setattr(compiled, "cpu_computes_natively", lambda _: native)
+    monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset({"amx_bf16"} if tiles else ()))
     model = tiny_model(std=0.3).to(dtype)
     decoder = CompiledDecoder(model)
     assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == ("CPP,ATEN" if native else "CPP")
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
-    sums = not native or dtype == torch.float16
+    sums = not native or dtype == torch.float16 or not tiles
     eager = CompiledDecoder(model, compile=False)
     record = RecordProducts()
     for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
