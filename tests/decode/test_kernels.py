@@ -21,13 +21,6 @@ def compile_in_process(monkeypatch):
     monkeypatch.setattr(compiled, "_exportable", lambda model: False)
 
 
-@pytest.fixture(autouse=True)
-def fresh_graphs(monkeypatch):
-    """Inductor builds every graph here: one its FX-graph cache holds from an earlier run would skip the passes
-    these tests record the graph's products with."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(std=0.3)
@@ -136,7 +129,9 @@ def test_16_bit_products_become_blocked_sums(dtype, shape):
     x = torch.randn(*shape).to(dtype)
     record = RecordGraph()
     torch._dynamo.reset()
-    with torch.no_grad(), torch._inductor.config.patch({**settings, "post_grad_custom_post_pass": record.graph_pass}):
+    # fx_graph_cache off: a graph the cache holds from an earlier run would skip the pass that records it
+    recorded = {**settings, "post_grad_custom_post_pass": record.graph_pass, "fx_graph_cache": False}
+    with torch.no_grad(), torch._inductor.config.patch(recorded):
         out = torch.compile(chain, fullgraph=True)(x)
         middle = first(x)
     [graph] = record.graphs
