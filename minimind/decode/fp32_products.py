@@ -7,7 +7,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from minimind.decode import graph_edits
-from minimind.decode.graph_edits import blocked_sums, call, frozen_constant, rows_in_memory
+from minimind.decode.graph_edits import blocked_sums, call, embedding_holding, frozen_constant, rows_in_memory
 from minimind.hardware import cpu_vendor, torch_kernels_avx512
 
 ONEDNN_MIN_ROWS = 4  # fp32 products of this many rows or more go to oneDNN's packed kernel
@@ -42,7 +42,8 @@ class Fp32Products(CustomGraphPass):
     rows (`graph_edits.blocked_sums`), ahead of MKL's and oneDNN's packed products there.
     On an AMD EPYC (Zen 4), where MKL runs slow:
     - one row: inductor's own C++ GEMM template, which the packed node lowers to when it is the only choice
-      (`inductor_settings`), ahead of MKL's plain product and oneDNN's packed one;
+      (`inductor_settings`), ahead of MKL's plain product and oneDNN's packed one; a tied LM head as sums over
+      blocks of the embedding's own rows (`blocked_sums`), as fast, where the template would pack a copy of them;
     - two rows or more: oneDNN's packed product, ahead of MKL's packed one and of autotuning between the template
       and MKL's packed product.
     Packing cannot simply be switched off per graph: inductor registers its packing patterns once per process, at
@@ -77,12 +78,15 @@ class Fp32Products(CustomGraphPass):
         value = inputs.meta["val"]  # [..., in]: oneDNN's product takes any leading dimensions
         rows = value.numel() // value.shape[-1]
         kernel = fp32_product_kernel(rows)
-        if kernel in ("mkl", "template") or (onednn and kernel == "onednn"):
-            # under AOTInductor oneDNN's packed product stays where MKL's packed one would be chosen; the
-            # template takes the packed product over when lowering it
+        if kernel == "mkl" or (onednn and kernel == "onednn"):
+            # under AOTInductor oneDNN's packed product stays where MKL's packed one would be chosen
             return None
         stored = getattr(module, weight.target)
         stored = stored.to_dense() if onednn else stored  # [out, in]
+        if kernel == "template":
+            if embedding_holding(graph, stored) is None:
+                return None  # the template takes the packed product over when lowering it
+            kernel = "sums"  # a tied head, over the embedding's own rows: the template would pack a copy of them
         with graph.inserting_before(node):
             if kernel == "sums":
                 product = blocked_sums(graph, inputs, weight, stored)  # [R, out]
@@ -91,7 +95,7 @@ class Fp32Products(CustomGraphPass):
                 shape = [*map(int, value.shape[:-1]), stored.shape[0]]  # [..., out]
                 return call(graph, torch.ops.aten.reshape.default, (product, shape))
             if kernel == "plain":
-                embedding = _embedding_holding(graph, stored)
+                embedding = embedding_holding(graph, stored)
                 if embedding is not None:
                     weight_in_out = graph.call_function(torch.ops.aten.permute.default, (embedding, [1, 0]))
                     weight_in_out.meta["val"] = embedding.meta["val"].permute(1, 0)
@@ -132,15 +136,3 @@ def _plain_onednn_product(module, node) -> bool:
         return False
     value = getattr(module, weight.target, None)
     return isinstance(value, torch.Tensor) and value.is_mkldnn and value.dtype == torch.float32
-
-
-def _embedding_holding(graph, weight):
-    """The constant an embedding lookup in `graph` reads, where it holds `weight` (a tied LM head's), else None."""
-    for node in graph.nodes:
-        if node.target is torch.ops.aten.embedding.default and getattr(node.args[0], "op", None) == "get_attr":
-            table = graph.owning_module
-            for part in node.args[0].target.split("."):
-                table = getattr(table, part)
-            if table.shape == weight.shape and torch.equal(table, weight):
-                return node.args[0]
-    return None

@@ -51,7 +51,8 @@ def blocked_sums(graph, inputs, weight, stored):
     sums in fp32 over `ROW_BLOCKS` blocks of the weight's rows, each block a contiguous constant of its own, read
     in its stored dtype and widened in registers: [R, out] in fp32, R the rows of `inputs`. One row sums
     `row * block` over `in`; several sum `block[:, None] * rows[None]`, weight rows outermost, so that each weight
-    row is read once for all the input rows."""
+    row is read once for all the input rows. A tied LM head's blocks are slices of the embedding's table, which the
+    step holds anyway (`embedding_holding`), so that the step holds no copy of it."""
     outputs = stored.shape[0]
     blocks = ROW_BLOCKS
     while outputs % blocks:
@@ -62,16 +63,19 @@ def blocked_sums(graph, inputs, weight, stored):
     wide_rows = _widened(graph, rows)
     if count > 1:
         wide_rows = call(graph, torch.ops.aten.unsqueeze.default, (wide_rows, 0))  # [1, R, in]
+    table = embedding_holding(graph, stored)
     sums = []
     for block in range(blocks):
-        # [size, in] in memory of its own (a package writes each constant with its whole storage)
-        part = frozen_constant(
-            graph,
-            inputs,
-            weight,
-            f"rows_{block}_of_{blocks}",
-            lambda b=block: stored[b * size : (b + 1) * size].clone(memory_format=torch.contiguous_format),
-        )
+        if table is not None:  # rows of a contiguous table: a contiguous [size, in] view of it
+            part = call(graph, torch.ops.aten.slice.Tensor, (table, 0, block * size, (block + 1) * size))
+        else:  # [size, in] in memory of its own (a package writes each constant with its whole storage)
+            part = frozen_constant(
+                graph,
+                inputs,
+                weight,
+                f"rows_{block}_of_{blocks}",
+                lambda b=block: stored[b * size : (b + 1) * size].clone(memory_format=torch.contiguous_format),
+            )
         wide = _widened(graph, part)
         if count > 1:
             wide = call(graph, torch.ops.aten.unsqueeze.default, (wide, 1))  # [size, 1, in]
@@ -81,6 +85,18 @@ def blocked_sums(graph, inputs, weight, stored):
     if count == 1:
         return call(graph, torch.ops.aten.view.default, (flat, [1, outputs]))
     return call(graph, torch.ops.aten.permute.default, (flat, [1, 0]))  # [R, out]
+
+
+def embedding_holding(graph, weight):
+    """The constant an embedding lookup in `graph` reads, where it holds `weight` (a tied LM head's), else None."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.embedding.default and getattr(node.args[0], "op", None) == "get_attr":
+            table = graph.owning_module
+            for part in node.args[0].target.split("."):
+                table = getattr(table, part)
+            if table.shape == weight.shape and table.dtype == weight.dtype and torch.equal(table, weight):
+                return node.args[0]
+    return None
 
 
 def _widened(graph, node):

@@ -185,6 +185,60 @@ def test_fp32_products_of_several_rows_become_blocked_sums():
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
 
 
+class TiedHead(torch.nn.Module):
+    """An embedding lookup and an LM head sharing its table, as a tied model's step holds them."""
+
+    def __init__(self, vocab=40, width=48):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):  # [B, 1] -> [B, 1, V]
+        return self.head(torch.nn.functional.silu(self.embed(ids)))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rows", "kernels"),
+    [
+        (torch.float32, 1, {"intel": False}),
+        (torch.float32, 4, {"avx512": False}),
+        (torch.bfloat16, 1, {}),
+        (torch.bfloat16, 4, {}),
+    ],
+    ids=["fp32-template", "fp32-sums-of-rows", "bf16-row", "bf16-rows"],
+)
+def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels):
+    """A tied LM head multiplied as blocked sums (fp32 where the table says "template" or "sums", 16-bit weights
+    always) reads its 8 blocks as slices of the embedding's table: the step's one constant is that table, no
+    product is left, and the logits are the product's to the dtype's rounding."""
+    torch.manual_seed(0)
+    module = TiedHead().to(dtype).eval()
+    ids = torch.randint(0, 40, (rows, 1))
+    record = RecordGraph()
+    torch._dynamo.reset()
+    products = fp32_products.Fp32Products() if dtype == torch.float32 else SixteenBitProducts()
+    settings = {
+        "freezing": True,
+        "cpp.weight_prepack": True,
+        "post_grad_custom_pre_pass": products,
+        "post_grad_custom_post_pass": record.graph_pass,
+        "fx_graph_cache": False,
+    }
+    with torch.no_grad(), torch._inductor.config.patch(settings), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp32_products, "fp32_product_kernel", lambda n: fp32_product_kernel(n, **kernels))
+        out = torch.compile(module, fullgraph=True)(ids)
+        exact = module.double()(ids)
+    [graph] = record.graphs
+    constants = [entry[2] for entry in graph if entry[0] == "constant"]
+    assert len(constants) == 1 and torch.equal(constants[0].double(), module.embed.weight)
+    calls = [entry[0] for entry in graph if entry[0] != "constant"]
+    assert [target for target in calls if "mm" in target or "linear" in target] == []
+    assert calls.count("aten.slice.Tensor") == calls.count("aten.sum.dim_IntList") == ROW_BLOCKS
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1 / 128}[dtype]
+    torch.testing.assert_close(out.double(), exact, rtol=tolerance, atol=tolerance * exact.abs().max().item())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "native", "tiles"),
@@ -247,16 +301,18 @@ class RecordProducts:
 @pytest.mark.slow
 def test_step_merges_projections():
     """With frozen weights inductor concatenates q/k/v and gate/up: 4 matrix products per layer (qkv, o, gate-up,
-    down) and the LM head, against 7 per layer unmerged. The two decoders share no dynamo cache: with one graph
-    allowed per code object both compile, and their graphs, frozen weights included, go with them."""
+    down) and the LM head, against 7 per layer unmerged (the tied head is no product where this CPU's table says
+    "template": sums over the embedding's rows). The two decoders share no dynamo cache: with one graph allowed per
+    code object both compile, and their graphs, frozen weights included, go with them."""
     import gc
     import weakref
 
     model = tiny_model(std=0.3)
     layers = model.config.num_hidden_layers
+    head = int(fp32_product_kernel(1) != "template")
     decoders = []
     with torch._dynamo.config.patch(recompile_limit=1):
-        for merged, expected in ((True, 4 * layers + 1), (False, 7 * layers + 1)):
+        for merged, expected in ((True, 4 * layers + head), (False, 7 * layers + head)):
             record = RecordProducts()
             decoder = CompiledDecoder(model)
             settings = decoder.inductor_settings(1) | {"cpp.enable_concat_linear": merged}
@@ -362,12 +418,13 @@ def test_fp32_step_kernels_on_intel(model, monkeypatch):
 
 @pytest.mark.slow
 def test_fp32_step_kernels_on_amd(model, monkeypatch):
-    """The table for other makers (AMD), where MKL runs slow. At batch 1 the packed products are left for inductor,
-    which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product); at batch 2 every
-    product is oneDNN's packed one. Tokens are generate's either way."""
+    """The table for other makers (AMD), where MKL runs slow. At batch 1 the layers' packed products are left for
+    inductor, which compiles each into its own C++ GEMM kernel (no call out to MKL or ATen for a product), and the
+    tied head is sums over the embedding's rows; at batch 2 every product is oneDNN's packed one. Tokens are
+    generate's either way."""
     _, _, (single, pair), codes = fp32_products_of_steps(model, monkeypatch, False, BATCH[:2])
     layers = model.config.num_hidden_layers
-    assert single == ["mkl._mkl_linear"] * (4 * layers + 1)
+    assert single == ["mkl._mkl_linear"] * (4 * layers)
     assert pair == ["mkldnn._linear_pointwise.default"] * (4 * layers + 1)
     code = "\n".join(codes)
     assert "micro_gemm" in code and "mm_out" not in code and "_mkl_linear" not in code
@@ -403,7 +460,8 @@ def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_
     """Under AOTInductor, inductor packs fp32 weights for oneDNN (opaque tensors, which only the library can hold)
     where torch.compile packs them for MKL. The one-row step's package still multiplies by its table's kernel, and
     with plain tensors its weights stay apart from the library: on Intel ATen's plain product over [in, out] weights,
-    elsewhere the C++ template, which packs its weights itself. Tokens are generate's either way."""
+    elsewhere the C++ template, which packs the layers' weights itself, and the tied head as sums over the embedding
+    the lookup reads. Tokens are generate's either way."""
     import json
     import math
     import zipfile
@@ -415,27 +473,32 @@ def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_
     products = 4 * model.config.num_hidden_layers + 1
     if intel:
         assert single == ["aten.mm.default"] * products
-    else:  # oneDNN's packed products (some with the residual's add fused in), which the template takes over
+    else:  # the layers' oneDNN products (some with the residual's add fused in), which the template takes over
         assert set(single) == {"mkldnn._linear_pointwise.default"}
     [package] = tmp_path.glob("*.pt2")
     with zipfile.ZipFile(package) as archive:
         [config] = [name for name in archive.namelist() if name.endswith("/weights_config.json")]
         recorded = json.loads(archive.read(config))
+    # the tied head multiplies by the embedding the lookup reads, which the package holds once; on Intel each
+    # product's weight [in, out] once besides
+    head = model.lm_head.weight.numel()
+    held = {file: math.prod(shape) for file, shape, _, _ in recorded.values() if len(shape) == 2}
+    assert [size for size in held.values() if size == head] == [head]
     if intel:
-        # the weights once: each product's [in, out], the tied head multiplying by the embedding the lookup reads
-        held = {file: math.prod(shape) for file, shape, _, _ in recorded.values() if len(shape) == 2}
         assert sum(held.values()) == sum(weight.numel() for weight in model.parameters() if weight.dim() == 2)
-        names = {name for name, (file, *_) in recorded.items() if held.get(file) == model.lm_head.weight.numel()}
-        assert names == {"model.lm_head.weight"}
+    else:  # the template's packed copies ([blocks, in, block] each), one per product of a layer and none of the head
+        widths = (model.config.hidden_size, model.config.intermediate_size)
+        packed = [shape for _, shape, _, _ in recorded.values() if len(shape) == 3 and shape[1] in widths]
+        assert len(packed) == 4 * model.config.num_hidden_layers
 
 
 @pytest.mark.slow
 def test_16_bit_one_row_package_holds_each_weight_once(monkeypatch, tmp_path):
     """A one-row bf16 step on a CPU without bf16 arithmetic, packaged by AOTInductor: every product became blocked
     sums, the blocks are written as weights apart from the library, and together they hold each product's weight
-    exactly once (the tied head's as a copy of its own: 8 blocks for each of a layer's 4 products, the head's odd-sized
-    weight in one, their elements summing to the model's 2-D weights and the head's); a second decoder loads the
-    package and both decode the eager decoder's greedy tokens."""
+    exactly once (8 blocks for each of a layer's 4 products; the tied head's blocks are slices of the embedding the
+    lookup reads: their elements sum to the model's 2-D weights); a second decoder loads the package and both decode
+    the eager decoder's greedy tokens."""
     import json
     import math
     import zipfile
@@ -457,15 +520,14 @@ def test_16_bit_one_row_package_holds_each_weight_once(monkeypatch, tmp_path):
         [config] = [name for name in archive.namelist() if name.endswith("/weights_config.json")]
         recorded = json.loads(archive.read(config))
     blocks = [math.prod(shape) for _, shape, _, _ in recorded.values() if len(shape) == 2]
-    config, head = model.config, model.lm_head.weight.numel()
+    config = model.config
     outputs = [(config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim, config.hidden_size]
     outputs += [2 * config.intermediate_size, config.hidden_size]  # each layer's merged q/k/v, o, gate/up, down
     # as many blocks as divide the outputs evenly, up to ROW_BLOCKS: the tiny vocabulary (97) is one block
     cuts = [next(n for n in (ROW_BLOCKS, 4, 2, 1) if out % n == 0) for out in outputs]
     assert config.vocab_size == 97 and cuts == [ROW_BLOCKS] * 4
-    assert len(blocks) == config.num_hidden_layers * sum(cuts) + 1 + 1  # the head, the embedding the lookup reads
-    layers = sum(weight.numel() for weight in model.parameters() if weight.dim() == 2)
-    assert sum(blocks) == layers + head
+    assert len(blocks) == config.num_hidden_layers * sum(cuts) + 1  # and the embedding, which the head reads too
+    assert sum(blocks) == sum(weight.numel() for weight in model.parameters() if weight.dim() == 2)
     later = CompiledDecoder(model, cache_dir=tmp_path)
     again = later.generate(PROMPT, max_new_tokens=8, **greedy())
     assert (later.packages.built, later.packages.loaded) == (0, 1)
