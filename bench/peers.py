@@ -186,6 +186,7 @@ FP32_PRODUCTS = {
     "template": "inductor's C++ GEMM kernels",
     "sums": "products as sums over blocks of weight rows",
 }
+TIED_HEAD_SUMS = ", the tied head as sums over the embedding's rows"
 
 
 def _compiled_decode(model, ids, new, weights, compile=True):
@@ -208,11 +209,16 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         settings = decoder.inductor_settings(ids.shape[0])
         gemms = settings["max_autotune"] and "ATEN" in settings["max_autotune_gemm_backends"]
         step_model = decoder.model_for(ids.shape[0])
+        sums = settings["post_grad_custom_pre_pass"]
+        tied = model.config.tie_word_embeddings
         if decoder.dtype == torch.float32:
             products = FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])]
+            products += TIED_HEAD_SUMS if tied and fp32_product_kernel(ids.shape[0]) == "template" else ""
         elif any(isinstance(module, Float16RowsProduct) for module in step_model.modules()):
             products, gemms = "16-bit weights as float16 through fbgemm", False
-        elif isinstance(settings["post_grad_custom_pre_pass"], SixteenBitProducts):
+        elif isinstance(sums, SixteenBitProducts) and sums.tied_head_only:
+            products = FP32_PRODUCTS["template"] + (TIED_HEAD_SUMS if tied else "")
+        elif isinstance(sums, SixteenBitProducts):
             products, gemms = FP32_PRODUCTS["sums"], False  # no product left to tune
         elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):
             products, gemms = "7-bit activations per row through fbgemm", False

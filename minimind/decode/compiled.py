@@ -124,10 +124,13 @@ class CompiledStep:
         # arithmetic to use there, decoded far slower. Their one-row steps, and where torch's kernels stop at AVX2
         # their steps of several rows too, multiply as sums over blocks of weight rows instead
         # (`SixteenBitProducts`), which read the weights faster still; a product the pass leaves stays the
-        # template's. int8 weights keep the autotuning, which did better there.
+        # template's. One bfloat16 row with the arithmetic but without AMX's tiles takes the template alone too
+        # (`_bfloat16_row_on_template`). int8 weights keep the autotuning, which did better there.
         sixteen_bit = self.dtype != torch.float32
         if sixteen_bit:
-            template = plain_weights(self.model) and cpu_computes_natively(self.dtype) is False
+            template = plain_weights(self.model) and (
+                cpu_computes_natively(self.dtype) is False or self._bfloat16_row_on_template(batch)
+            )
         else:
             template = fp32_product_kernel(batch) == "template"
         return {
@@ -146,17 +149,37 @@ class CompiledStep:
     def _products_pass(self, batch: int, template: bool):
         """The inductor pass that picks the steps' product kernels: fp32's table, or blocked sums for 16-bit weights
         where they decoded faster than the products otherwise taken: one row of bfloat16 without bfloat16
-        arithmetic (the template alone) or with it but without AMX's tiles (oneDNN's), one row of float16 on every
-        CPU (with AVX-512's float16 arithmetic too, oneDNN's), and several rows of either where torch's kernels stop
-        at AVX2."""
+        arithmetic (the template alone), one row of float16 on every CPU (with AVX-512's float16 arithmetic too,
+        oneDNN's), and several rows of either where torch's kernels stop at AVX2. Where one bfloat16 row takes the
+        template with the arithmetic (`_bfloat16_row_on_template`), only a tied LM head becomes sums, over the
+        embedding's own rows: the template would pack a copy of them."""
         if self.dtype == torch.float32:
             return Fp32Products()
-        on_cpu = next(self.model.parameters()).device.type == "cpu"  # what was measured
+        if not (self._on_cpu and plain_weights(self.model)):
+            return None
+        if self._bfloat16_row_on_template(batch):
+            return SixteenBitProducts(tied_head_only=True)
+        slower = template or self.dtype == torch.float16
+        return SixteenBitProducts() if slower and (batch == 1 or not torch_kernels_avx512()) else None
+
+    @property
+    def _on_cpu(self) -> bool:
+        return next(self.model.parameters()).device.type == "cpu"  # where the kernels were measured
+
+    def _bfloat16_row_on_template(self, batch: int) -> bool:
+        """Whether a step of `batch` rows over bfloat16 weights takes inductor's C++ GEMM template alone on a CPU
+        with bfloat16 arithmetic: one row where the CPU lacks AMX's tiles (an AMD Zen 4). There the template decoded
+        faster than the blocked sums and than the products autotuning picked (oneDNN's or the template's); with
+        the tiles oneDNN's product is faster (docs/performance.md, "The precision for the CPU")."""
         features = usable_cpu_features()
-        without_tiles = batch == 1 and features is not None and "amx_bf16" not in features
-        slower = template or self.dtype == torch.float16 or without_tiles
-        sums = on_cpu and plain_weights(self.model) and slower and (batch == 1 or not torch_kernels_avx512())
-        return SixteenBitProducts() if sums else None
+        return (
+            batch == 1
+            and self.dtype == torch.bfloat16
+            and self._on_cpu
+            and features is not None
+            and "amx_bf16" not in features
+            and cpu_computes_natively(torch.bfloat16) is True
+        )
 
     @property
     def rows_model(self):

@@ -7,7 +7,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from minimind.decode import graph_edits
-from minimind.decode.graph_edits import CONVERT, ROW_BLOCKS, blocked_sums, call
+from minimind.decode.graph_edits import CONVERT, ROW_BLOCKS, blocked_sums, call, embedding_holding
 
 __all__ = ["ROW_BLOCKS", "SixteenBitProducts"]
 
@@ -22,7 +22,12 @@ class SixteenBitProducts(CustomGraphPass):
     arithmetic) and oneDNN's float16 product decoded markedly slower at one row, and on a CPU whose kernels stop at
     AVX2 at several rows too (docs/performance.md, "The precision for the CPU"). The rows are computed into memory
     first (`rows_in_memory`), so that what produces them (a norm, an activation) runs once and not inside the loop
-    over every weight row."""
+    over every weight row. `tied_head_only`: the pass takes only a tied LM head's product, over the embedding's own
+    rows, and leaves the others to the kernel the step's settings give them."""
+
+    def __init__(self, tied_head_only: bool = False):
+        super().__init__()
+        self.tied_head_only = tied_head_only
 
     def __call__(self, graph):
         module = graph.owning_module
@@ -31,6 +36,8 @@ class SixteenBitProducts(CustomGraphPass):
             if found is None:
                 continue
             inputs, weight, stored = found
+            if self.tied_head_only and embedding_holding(graph, stored) is None:
+                continue
             value = node.meta["val"]  # [..., out]: the product's own leading dimensions
             with graph.inserting_before(node):
                 product = call(graph, CONVERT, (blocked_sums(graph, inputs, weight, stored), value.dtype))
@@ -41,7 +48,7 @@ class SixteenBitProducts(CustomGraphPass):
         graph.eliminate_dead_code()  # the frozen weights the blocks were cut from go with their last user
 
     def uuid(self):
-        return get_hash_for_files((__file__, graph_edits.__file__))
+        return get_hash_for_files((__file__, graph_edits.__file__)) + (b"tied head" if self.tied_head_only else b"")
 
 
 def _frozen_16_bit_product(module, node):

@@ -176,7 +176,7 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
         monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: True)
     # where torch's kernels stop at AVX2 (only the rows' choice is imitated: the steps' other settings stay native)
     avx2 = weights == "bf16 under AVX2"
-    # bfloat16 arithmetic with AMX's tiles, or without them (one row then takes the sums)
+    # bfloat16 arithmetic with AMX's tiles, or without them (one row then takes the template alone)
     tiles = weights != "bf16 without AMX"
     features = {"avx512_bf16", "avx512_vnni"} | ({"amx_bf16"} if tiles else set())
     monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset(features))
@@ -192,12 +192,14 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     for rows in (ids, ids.repeat(PEER_BATCH, 1)):
         _, describe = _compiled_decode(model, rows, 4, weights)
         plain = _minimind_greedy(model, rows, 4)
+        head = ", the tied head as sums over the embedding's rows"
         if weights == "fp32":
-            products = FP32_PRODUCTS[fp32_product_kernel(rows.shape[0])]
+            kernel = fp32_product_kernel(rows.shape[0])
+            products = FP32_PRODUCTS[kernel] + (head if kernel == "template" else "")
         elif avx2 and rows.shape[0] > 1:
             products = "16-bit weights as float16 through fbgemm"
         elif not tiles and rows.shape[0] == 1:
-            products = "products as sums over blocks of weight rows"
+            products = "inductor's C++ GEMM kernels" + head
         elif weights == "bf16" or rows.shape[0] == 1:
             products = "prepacked weights, autotuned GEMMs"
         elif seven_bit:

@@ -58,12 +58,20 @@ def test_16_bit_products_take_the_template_where_the_cpu_lacks_their_arithmetic(
         settings = CompiledDecoder(tiny_model().to(torch.bfloat16)).inductor_settings(batch)
         assert (settings["max_autotune"], settings["max_autotune_gemm_backends"]) == (True, "CPP,ATEN")
         assert settings["post_grad_custom_pre_pass"] is None
-    # bfloat16 arithmetic without AMX's tiles: one row takes the sums (oneDNN's product decoded slower there)
+    # bfloat16 arithmetic without AMX's tiles: one row takes the template alone (oneDNN's product and the sums
+    # decoded slower there), its tied head the sums over the embedding's rows; several rows are autotuned
     monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset({"avx512_bf16"}))
     decoder = CompiledDecoder(tiny_model().to(torch.bfloat16))
-    assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
+    one_row = decoder.inductor_settings(1)
+    assert type(one_row["post_grad_custom_pre_pass"]) is SixteenBitProducts
+    assert one_row["post_grad_custom_pre_pass"].tied_head_only and one_row["max_autotune_gemm_backends"] == "CPP"
     assert decoder.inductor_settings(8)["post_grad_custom_pre_pass"] is None
-    assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert decoder.inductor_settings(8)["max_autotune_gemm_backends"] == "CPP,ATEN"
+    for dtype in (torch.bfloat16, torch.float16):  # sums of every product wherever they are taken
+        decoder = CompiledDecoder(tiny_model().to(dtype))
+        for batch in (1, 8):
+            sums = decoder.inductor_settings(batch)["post_grad_custom_pre_pass"]
+            assert sums is None or not sums.tied_head_only or (dtype, batch) == (torch.bfloat16, 1)
     # float16's one row takes the sums with float16 arithmetic too (oneDNN's product over it decoded slower)
     decoder = CompiledDecoder(tiny_model().to(torch.float16))
     assert type(decoder.inductor_settings(1)["post_grad_custom_pre_pass"]) is SixteenBitProducts
@@ -186,38 +194,42 @@ def test_fp32_products_of_several_rows_become_blocked_sums():
 
 
 class TiedHead(torch.nn.Module):
-    """An embedding lookup and an LM head sharing its table, as a tied model's step holds them."""
+    """An embedding lookup, a projection and an LM head sharing the embedding's table, as a tied model's step holds
+    them."""
 
     def __init__(self, vocab=40, width=48):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, width)
+        self.projection = torch.nn.Linear(width, width, bias=False)
         self.head = torch.nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, ids):  # [B, 1] -> [B, 1, V]
-        return self.head(torch.nn.functional.silu(self.embed(ids)))
+        return self.head(torch.nn.functional.silu(self.projection(self.embed(ids))))
 
 
 @pytest.mark.parametrize(
-    ("dtype", "rows", "kernels"),
+    ("dtype", "rows", "kernels", "head_only"),
     [
-        (torch.float32, 1, {"intel": False}),
-        (torch.float32, 4, {"avx512": False}),
-        (torch.bfloat16, 1, {}),
-        (torch.bfloat16, 4, {}),
+        (torch.float32, 1, {"intel": False}, False),
+        (torch.float32, 4, {"avx512": False}, False),
+        (torch.bfloat16, 1, {}, False),
+        (torch.bfloat16, 4, {}, False),
+        (torch.bfloat16, 1, {}, True),
     ],
-    ids=["fp32-template", "fp32-sums-of-rows", "bf16-row", "bf16-rows"],
+    ids=["fp32-template", "fp32-sums-of-rows", "bf16-row", "bf16-rows", "bf16-tied-head-only"],
 )
-def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels):
+def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels, head_only):
     """A tied LM head multiplied as blocked sums (fp32 where the table says "template" or "sums", 16-bit weights
-    always) reads its 8 blocks as slices of the embedding's table: the step's one constant is that table, no
-    product is left, and the logits are the product's to the dtype's rounding."""
+    always) reads its 8 blocks as slices of the embedding's table, the step's one constant of the vocabulary's
+    rows, and the logits are the product's to the dtype's rounding. `tied_head_only` leaves the projection's
+    product alone."""
     torch.manual_seed(0)
     module = TiedHead().to(dtype).eval()
     ids = torch.randint(0, 40, (rows, 1))
     record = RecordGraph()
     torch._dynamo.reset()
-    products = fp32_products.Fp32Products() if dtype == torch.float32 else SixteenBitProducts()
+    products = fp32_products.Fp32Products() if dtype == torch.float32 else SixteenBitProducts(head_only)
     settings = {
         "freezing": True,
         "cpp.weight_prepack": True,
@@ -230,11 +242,19 @@ def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels):
         out = torch.compile(module, fullgraph=True)(ids)
         exact = module.double()(ids)
     [graph] = record.graphs
-    constants = [entry[2] for entry in graph if entry[0] == "constant"]
-    assert len(constants) == 1 and torch.equal(constants[0].double(), module.embed.weight)
     calls = [entry[0] for entry in graph if entry[0] != "constant"]
-    assert [target for target in calls if "mm" in target or "linear" in target] == []
-    assert calls.count("aten.slice.Tensor") == calls.count("aten.sum.dim_IntList") == ROW_BLOCKS
+    products = [target for target in calls if "mm" in target or "linear" in target]
+    constants = [entry[2] for entry in graph if entry[0] == "constant"]
+    if head_only or (dtype == torch.float32 and rows == 1):  # the projection keeps its product
+        assert len(products) == 1 and calls.count("aten.sum.dim_IntList") == ROW_BLOCKS
+    else:  # the projection as sums too, its 8 blocks constants of their own
+        assert products == [] and calls.count("aten.sum.dim_IntList") == 2 * ROW_BLOCKS
+        assert [tuple(c.shape) for c in constants].count((6, 48)) == ROW_BLOCKS
+    # the head's blocks are slices of the embedding's table, the one constant of the vocabulary's rows
+    assert [c.shape[0] for c in constants].count(40) == 1 and any(
+        torch.equal(c, module.embed.weight) for c in constants
+    )
+    assert calls.count("aten.slice.Tensor") == ROW_BLOCKS
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 1 / 128}[dtype]
     torch.testing.assert_close(out.double(), exact, rtol=tolerance, atol=tolerance * exact.abs().max().item())
 
@@ -251,16 +271,17 @@ def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels):
     ids=["bf16-arithmetic-amx", "bf16-arithmetic", "no-bf16-arithmetic", "fp16-arithmetic"],
 )
 def test_16_bit_frozen_weights_decode_greedily(dtype, native, tiles, monkeypatch):
-    """Compiled 16-bit frozen weights decode greedily: bf16 with AMX's tiles autotuned, or (on a CPU without them or
-    without bf16 arithmetic, and float16 everywhere) as blocked sums (`SixteenBitProducts`: not one matrix product
-    left in the step)."""
+    """Compiled 16-bit frozen weights decode greedily: bf16 with AMX's tiles autotuned, with the arithmetic but
+    without the tiles through the template alone (the tied head as sums), or (without bf16 arithmetic, and float16
+    everywhere) as blocked sums (`SixteenBitProducts`: not one matrix product left in the step)."""
     monkeypatch.setattr(compiled, "cpu_computes_natively", lambda _: native)
     monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset({"amx_bf16"} if tiles else ()))
     model = tiny_model(std=0.3).to(dtype)
     decoder = CompiledDecoder(model)
-    assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == ("CPP,ATEN" if native else "CPP")
+    template = not native or (dtype == torch.bfloat16 and not tiles)
+    assert decoder.inductor_settings(1)["max_autotune_gemm_backends"] == ("CPP" if template else "CPP,ATEN")
     assert decoder.inductor_settings(1)["cpp.weight_prepack"] is True and decoder.inductor_settings(1)["freezing"]
-    sums = not native or dtype == torch.float16 or not tiles
+    sums = not native or dtype == torch.float16
     eager = CompiledDecoder(model, compile=False)
     record = RecordProducts()
     for prompt in (PROMPT, torch.tensor([[9, 9, 1, 2]])):  # the second reuses the cache: it must see its own prompt
