@@ -13,6 +13,7 @@ from bench.llama_cpp import gguf_matrix_bytes, llama_cpp_missing
 from bench.measure import amx_int8, machine_details, paired_ratio, time_in_rounds
 from bench.peers import (
     FP32_PRODUCTS,
+    TIED_HEAD_SUMS,
     PeerContext,
     PreparedPeer,
     decode_matrices,
@@ -118,7 +119,8 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
     assert decode["peers-decode-minimind-compiled-fp32"]["notes"].endswith(
         "greedy tokens = plain fp32 generate: 8 / 8"
     )
-    one_row = FP32_PRODUCTS[fp32_product_kernel(1)]  # this CPU maker's kernel
+    kernel = fp32_product_kernel(1)  # this CPU maker's kernel, the tied head as sums beside the template
+    one_row = FP32_PRODUCTS[kernel] + (TIED_HEAD_SUMS if kernel == "template" else "")
     assert (
         f"torch.compile with freezing, merged projections, {one_row}, grouped-query attention "
         "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note
@@ -192,14 +194,13 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     for rows in (ids, ids.repeat(PEER_BATCH, 1)):
         _, describe = _compiled_decode(model, rows, 4, weights)
         plain = _minimind_greedy(model, rows, 4)
-        head = ", the tied head as sums over the embedding's rows"
         if weights == "fp32":
             kernel = fp32_product_kernel(rows.shape[0])
-            products = FP32_PRODUCTS[kernel] + (head if kernel == "template" else "")
+            products = FP32_PRODUCTS[kernel] + (TIED_HEAD_SUMS if kernel == "template" else "")
         elif avx2 and rows.shape[0] > 1:
             products = "16-bit weights as float16 through fbgemm"
         elif not tiles and rows.shape[0] == 1:
-            products = "inductor's C++ GEMM kernels" + head
+            products = FP32_PRODUCTS["template"] + TIED_HEAD_SUMS
         elif weights == "bf16" or rows.shape[0] == 1:
             products = "prepacked weights, autotuned GEMMs"
         elif seven_bit:
