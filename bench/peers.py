@@ -230,11 +230,12 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         attention = (
             ", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
         )
+        prompt = "; the prompt's products through fbgemm" if decoder.prompt_model(ids.numel()) is not model else ""
         compiled = (
             f"torch.compile with freezing, merged projections, {products}{attention}, compiled in "
-            f"{decoder.compile_seconds:.0f} s"
+            f"{decoder.compile_seconds:.0f} s{prompt}"
             if compile
-            else f"steps run eagerly (quick mode){attention}"
+            else f"steps run eagerly (quick mode){attention}{prompt}"
         )
         return (
             f"CompiledDecoder: static cache, {compiled}; greedy tokens = plain {weights} generate: "

@@ -17,9 +17,10 @@ Every name is importable from here; each lives in the module that does its job:
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).
 - `int8`: int8 decoder layers and LM head (`quantize_weights_int8`), multiplied by int8 activations over several
   rows (`int8_activation_products`).
-- `fbgemm`: products over fbgemm's packed weights for steps of several rows (the op `minimind::fbgemm_product`,
-  `packed_weight`); 16-bit weights as float16 where torch's kernels stop at AVX2 (`float16_rows_products`).
-- `widened`: float32 arithmetic for prompts over 16-bit weights on a CPU without 16-bit arithmetic
+- `fbgemm`: products over fbgemm's packed weights for steps of several rows and the compiled decoders' prompts (the
+  op `minimind::fbgemm_product`, `packed_weight`, `PackedProduct`); 16-bit weights as float16 where torch's kernels
+  stop at AVX2 (`float16_rows_products`).
+- `widened`: float32 arithmetic for the eager model's prompts over 16-bit weights on a CPU without 16-bit arithmetic
   (`widen_products`, `WidenedLinear`).
 """
 

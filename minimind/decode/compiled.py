@@ -3,7 +3,8 @@
 
 The recipe is gpt-fast's. A decode step of a small model is one-row matrix products over every weight plus a
 few hundred small ops; eager PyTorch pays Python and dispatch overhead for each op, and `generate`'s compiled
-path adds its own per-step bookkeeping on top. Here the prompt runs eagerly (its length varies), then every
+path adds its own per-step bookkeeping on top. Here the prompt runs eagerly (its length varies; its products go
+through fbgemm where torch's own kernels have no arithmetic for the weights, `prompt_model`), then every
 step is one call of a graph inductor compiled for fixed shapes: input [B, 1], position [1], cache
 [B, kv_heads, L, head_dim] with L rounded up to `CACHE_BUCKET` so that replies of similar length share it.
 B is the number of prompts, all of one length (a batch needs no padding): a chat reply is B = 1.
@@ -44,7 +45,7 @@ from transformers import StaticCache, StoppingCriteriaList
 from transformers.cache_utils import Cache
 
 from minimind.decode.attention import GROUPED_QUERY_SDPA
-from minimind.decode.fbgemm import float16_rows_products
+from minimind.decode.fbgemm import float16_rows_products, multiplies_through_fbgemm
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
 from minimind.decode.int8 import int8_activation_products, plain_weights
 from minimind.decode.memory import lazy_zeros, zero_again
@@ -194,6 +195,17 @@ class CompiledStep:
     def model_for(self, batch: int):
         """The model a step of `batch` rows runs: `rows_model` for several rows where there is one, else `model`."""
         return self.rows_model if batch > 1 and self.rows_model is not None else self.model
+
+    def prompt_model(self, tokens: int):
+        """The model a prompt of `tokens` tokens in all (every sequence's) runs: `rows_model` where that multiplies
+        through fbgemm, else `model`. A prompt's products are products over several rows, which torch's own kernels
+        compute in software where fbgemm's exist for them: 16-bit weights without 16-bit arithmetic (a bfloat16
+        prompt of 32 tokens 3x faster through fbgemm on a CPU whose kernels stop at AVX2) and int8 weights without
+        8-bit dot products. With those dot products torchao's 8-bit activations, what steps of several rows take,
+        made a prompt slower than the weight-only product, which it keeps."""
+        if tokens > 1 and self.rows_model is not None and multiplies_through_fbgemm(self.rows_model):
+            return self.rows_model
+        return self.model
 
     def _own_step(self):
         """`_forward_one` bound to this decoder through a code object of its own. Dynamo keeps compiled graphs,
@@ -460,6 +472,7 @@ class CompiledDecoder(CompiledStep):
             )
             self._preparing.start()
             return
+        self.prompt_model(2)  # fbgemm's packed weights, where prompts multiply through them, made now
         token, position, cache = self._example(batch, needed)
         with torch.no_grad(), self._step_kernel():
             self._package_or_fallback(token, position, cache)
@@ -545,7 +558,8 @@ class CompiledDecoder(CompiledStep):
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
-        logits = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        prompt = self.prompt_model(input_ids.numel())
+        logits = prompt(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         ids = input_ids
         for step in range(max_new_tokens):
             token = choose_tokens(ids, logits, warpers)  # [B, 1]

@@ -1,6 +1,7 @@
-"""Products through fbgemm's packed weights, for the compiled steps of several rows on a CPU whose other kernels fall
-short there: int8 weights by 7-bit activations (`minimind.decode.int8.Int8RowsProduct`) and 16-bit weights as
-float16 by float32 rows (`Float16RowsProduct`, `float16_rows_products`).
+"""Products through fbgemm's packed weights, for the compiled steps of several rows and the prompts before them
+(`CompiledStep.prompt_model`) on a CPU whose other kernels fall short there: int8 weights by 7-bit activations
+(`minimind.decode.int8.Int8RowsProduct`) and 16-bit weights as float16 by float32 rows (`Float16RowsProduct`,
+`float16_rows_products`).
 
 A step reaches fbgemm through one op of ours, `minimind::fbgemm_product(rows, weight)`, `weight` an integer naming
 the packed copy (`packed_weight`): dynamo cannot put fbgemm's packed-weight object into a graph. The integer is taken
@@ -78,7 +79,24 @@ def _float16_product(packed, rows):
     return torch.ops.quantized.linear_dynamic_fp16(rows, packed)
 
 
-class Float16RowsProduct(torch.nn.Module):
+class PackedProduct(torch.nn.Module):
+    """A linear layer whose weight fbgemm holds packed (`packed`, found again by `key`); a subclass multiplies its
+    rows through `torch.ops.minimind.fbgemm_product(rows, self.key)` and adds `bias`, rounding to `out_dtype`."""
+
+    def __init__(self, packed: PackedWeight, bias, out_dtype: torch.dtype):
+        super().__init__()
+        self._packed = packed
+        self.key = packed.key
+        self.bias = bias
+        self.out_dtype = out_dtype
+
+
+def multiplies_through_fbgemm(model) -> bool:
+    """Whether `model` multiplies any of its linear layers through fbgemm's packed weights (`PackedProduct`)."""
+    return any(isinstance(module, PackedProduct) for module in model.modules())
+
+
+class Float16RowsProduct(PackedProduct):
     """A linear layer over a 16-bit weight [out, in] for steps of several rows where torch's kernels stop at AVX2:
     fbgemm keeps the weight as float16 and multiplies float32 rows by it, widening each block of the weight in
     registers once for every row it multiplies (F16C), as llama.cpp's f16 product does. bfloat16 values within
@@ -86,16 +104,13 @@ class Float16RowsProduct(torch.nn.Module):
     its range to its own product); fbgemm keeps a packed copy of them."""
 
     def __init__(self, weight, bias=None):
-        super().__init__()
-        self._packed = packed_weight(
+        packed = packed_weight(
             "float16",
             [weight],
             lambda: torch.ops.quantized.linear_prepack_fp16(weight.float(), None),
             _float16_product,
         )
-        self.key = self._packed.key
-        self.bias = bias
-        self.out_dtype = weight.dtype
+        super().__init__(packed, bias, weight.dtype)
 
     def forward(self, x):  # [..., in]
         rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from minimind.decode.fbgemm import fbgemm_products, packed_weight
+from minimind.decode.fbgemm import PackedProduct, fbgemm_products, packed_weight
 from minimind.hardware import cpu_computes_natively
 
 
@@ -48,8 +48,9 @@ def int8_activation_products(model):
     """`model` with every int8 weight of `quantize_weights_int8` multiplied by int8 activations: each call quantizes
     its input to int8 with one scale per row (per token, symmetric) and multiplies in integer arithmetic, as
     llama.cpp's q8_0 does. A copy of the modules only: the int8 values, their scales and every other tensor are the
-    model's own. What the compiled decoders run over several rows (`CompiledStep.model_for`): a weight-only product
-    converts every weight to 16 bits before multiplying, which over several rows outweighs reading half the bytes.
+    model's own. What the compiled decoders run over several rows (`CompiledStep.model_for`; their prompts too where
+    fbgemm multiplies, `CompiledStep.prompt_model`): a weight-only product converts every weight to 16 bits before
+    multiplying, which over several rows outweighs reading half the bytes.
     One row keeps the weight-only product, which is faster there and leaves the activations unrounded. Each row's
     activations have a scale of their own, so a row's result does not depend on the rows beside it.
     With 8-bit dot products (VNNI, `minimind.hardware`) torchao's product multiplies the full 8 bits; without them
@@ -107,7 +108,7 @@ def _7_bit_product(packed, rows):
     return torch.ops.quantized.linear_dynamic(rows, packed, True)
 
 
-class Int8RowsProduct(torch.nn.Module):
+class Int8RowsProduct(PackedProduct):
     """A linear layer over one of torchao's int8 weights (one scale per output row) for steps of several rows on a
     CPU without 8-bit dot products: fbgemm multiplies the int8 values by 7-bit activations with one symmetric scale
     per row (values -63..63 times the row's largest magnitude / 63) and adds pairs of products in 16 bits as such a
@@ -117,7 +118,6 @@ class Int8RowsProduct(torch.nn.Module):
     int8 values."""
 
     def __init__(self, weight, bias=None):
-        super().__init__()
         out_features, in_features = weight.qdata.shape
 
         def pack():
@@ -128,10 +128,7 @@ class Int8RowsProduct(torch.nn.Module):
                 )
                 return torch.ops.quantized.linear_prepack(quantized, None)
 
-        self._packed = packed_weight("int8", [weight.qdata, weight.scale], pack, _7_bit_product)
-        self.key = self._packed.key
-        self.bias = bias
-        self.out_dtype = weight.dtype
+        super().__init__(packed_weight("int8", [weight.qdata, weight.scale], pack, _7_bit_product), bias, weight.dtype)
         ends = torch.zeros(1, in_features)
         ends[0, :2] = torch.tensor([ROW_END, -ROW_END - 2])
         self.register_buffer("ends", ends, persistent=False)

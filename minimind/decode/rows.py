@@ -92,11 +92,12 @@ class RowDecoder(CompiledStep):
         longest = int(lengths.max())
         ids = torch.tensor([ids + [ids[-1]] * (longest - len(ids)) for ids in prompts], device=self.model.device)
         prompt_cache = DynamicCache(config=self.model.config)
-        hidden = self.model.model(input_ids=ids, cache=prompt_cache, use_cache=True).last_hidden_state  # [N, T, D]
+        model = self.prompt_model(ids.numel())
+        hidden = model.model(input_ids=ids, cache=prompt_cache, use_cache=True).last_hidden_state  # [N, T, D]
         last = hidden[torch.arange(len(prompts), device=hidden.device), lengths - 1]  # [N, D]
         for index, (row, length) in enumerate(zip(rows, lengths.tolist())):
             cache.fill_row(row, prompt_cache, index, length)
-        return self.model.lm_head(last)  # [N, V]
+        return model.lm_head(last)  # [N, V]
 
     @torch.no_grad()
     def step(self, tokens, cache: RowCache):

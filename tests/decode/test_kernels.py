@@ -7,9 +7,10 @@ import weakref
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_model
-from minimind.decode import CompiledDecoder, compiled, fp32_product_kernel, fp32_products
+from minimind.decode import CompiledDecoder, RowCache, RowDecoder, compiled, fp32_product_kernel, fp32_products
 from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
 from minimind.hardware import cpu_vendor, torch_kernels_avx512
 
@@ -616,19 +617,22 @@ def test_16_bit_rows_multiply_as_float16_through_fbgemm_where_kernels_stop_at_av
 
 
 def test_16_bit_steps_of_several_rows_take_fbgemm_where_kernels_stop_at_avx2(kernels_at_avx2):
-    """A bf16 decoder's one-row step runs the model, a step of several rows the fbgemm view, built for the first such
-    step; the batch decodes greedily by the model's own logits."""
+    """A bf16 decoder's one-row step runs the model, a step of several rows the fbgemm view, built for the first prompt
+    (a prompt's products are several rows too); the batch decodes greedily by the model's own logits."""
     from minimind.decode import fbgemm
 
     model = tiny_model(std=0.3).to(torch.bfloat16)
     gc.collect()
     packed = len(fbgemm._PACKED)
     decoder = CompiledDecoder(model, compile=False)
+    decoder.generate(PROMPT[:, :1], max_new_tokens=2, **greedy())
+    assert len(fbgemm._PACKED) == packed  # a prompt of one token and one-row steps pack nothing
     decoder.generate(PROMPT, max_new_tokens=2, **greedy())
-    assert len(fbgemm._PACKED) == packed  # a one-row decoder packs nothing
+    assert len(fbgemm._PACKED) - packed == 7 * model.config.num_hidden_layers + 1  # for the prompt
     out = decoder.generate(BATCH, max_new_tokens=8, **greedy())
     assert decoder.model_for(1) is model and decoder.model_for(3) is decoder.rows_model is not None
-    assert len(fbgemm._PACKED) - packed == 7 * model.config.num_hidden_layers + 1
+    assert decoder.prompt_model(1) is model and decoder.prompt_model(2) is decoder.rows_model
+    assert len(fbgemm._PACKED) - packed == 7 * model.config.num_hidden_layers + 1  # the same copies
     for row in range(BATCH.shape[0]):
         assert greedy_gap(model, out[row : row + 1], BATCH.shape[1]) <= 0.0625
 
@@ -657,7 +661,7 @@ def test_16_bit_several_rows_package_multiplies_through_fbgemm(kernels_at_avx2, 
     calls.clear()
     out = decoder.generate(BATCH, max_new_tokens=9, **greedy())  # the prompt, then 8 steps
     linears = 7 * model.config.num_hidden_layers + 1
-    assert len(calls) == 8 * linears and len(set(calls)) == linears
+    assert len(calls) == 9 * linears and len(set(calls)) == linears  # the prompt's products through fbgemm too
     assert (decoder.packages.built, decoder.packages.loaded) == (1, 0)
     del decoder
     gc.collect()
@@ -827,11 +831,15 @@ def test_int8_steps_of_several_rows_take_int8_activations(cpu, request):
     gc.collect()  # earlier tests' packed weights gone before counting
     packed = len(_PACKED)
     decoder = CompiledDecoder(int8_model, compile=False)
-    decoder.generate(PROMPT, max_new_tokens=2, **greedy())
+    decoder.generate(PROMPT[:, :1], max_new_tokens=2, **greedy())
     assert len(_PACKED) == packed
     assert decoder.model_for(1) is int8_model and decoder.model_for(3) is decoder.rows_model is not None
     linears = 7 * int8_model.config.num_hidden_layers + 1
-    assert len(_PACKED) - packed == (linears if cpu == "int8_model_without_dot_products" else 0)
+    fbgemm = cpu == "int8_model_without_dot_products"
+    assert len(_PACKED) - packed == (linears if fbgemm else 0)
+    # a prompt of several tokens takes fbgemm's 7-bit activations as steps of several rows do; with 8-bit dot
+    # products it keeps the weight-only product
+    assert decoder.prompt_model(PROMPT.numel()) is (decoder.rows_model if fbgemm else int8_model)
     for rows, model in ((3, decoder.rows_model), (1, int8_model)):
         token, position = BATCH[:rows, -1:], torch.tensor([BATCH.shape[1]])
         with torch.no_grad():
@@ -845,6 +853,57 @@ def test_int8_steps_of_several_rows_take_int8_activations(cpu, request):
             ).logits[:, -1]
         assert torch.equal(step, own) and not torch.equal(step, other)
     assert CompiledDecoder(tiny_model(), compile=False).rows_model is None
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_prompts_multiply_through_fbgemm_where_steps_of_several_rows_do(
+    weights, kernels_at_avx2, request, monkeypatch
+):
+    """Where steps of several rows multiply through fbgemm (16-bit weights where torch's kernels stop at AVX2, int8
+    weights without 8-bit dot products), a prompt does too: one fbgemm call per linear layer for the whole prompt,
+    the keys and values of fbgemm's products in the cache and the first token theirs; the server's prefill of several
+    prompts in one forward likewise."""
+    from minimind.decode import fbgemm
+
+    if weights == "bf16":
+        model = tiny_model(std=0.3).to(torch.bfloat16)
+    else:
+        model = request.getfixturevalue("int8_model_without_dot_products")
+    calls = []
+
+    class Counted(weakref.WeakValueDictionary):
+        def __getitem__(self, key):
+            calls.append(key)
+            return super().__getitem__(key)
+
+    monkeypatch.setattr(fbgemm, "_PACKED", Counted())
+    linears = 7 * model.config.num_hidden_layers + 1
+    decoder = CompiledDecoder(model, compile=False)
+    out = decoder.generate(PROMPT, max_new_tokens=1, **greedy())
+    assert len(calls) == linears and len(set(calls)) == linears
+    with torch.no_grad():
+        rows, own = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        logits = decoder.rows_model(input_ids=PROMPT, cache=rows, use_cache=True).logits[0, -1]
+        model(input_ids=PROMPT, cache=own, use_cache=True)
+    assert out[0, -1] == logits.argmax()
+    length = PROMPT.shape[1]
+    for written, by_rows in zip(decoder._cache.layers, rows.layers):
+        assert torch.equal(written.keys[:, :, :length], by_rows.keys)
+        assert torch.equal(written.values[:, :, :length], by_rows.values)
+    if weights == "int8":  # the weight-only product, which leaves the activations unrounded, writes others
+        assert any(not torch.equal(a.values, b.values) for a, b in zip(rows.layers, own.layers))
+
+    calls.clear()
+    server = RowDecoder(model, compile=False)
+    prompts = [PROMPT[0].tolist(), BATCH[1, :4].tolist()]
+    cache = RowCache(model.config, rows=2, length=16, dtype=torch.bfloat16, device="cpu")
+    last = server.prefill(prompts, cache, [0, 1])  # [2, V]
+    assert len(calls) == linears  # both prompts in one forward
+    for index, ids in enumerate(prompts):
+        with torch.no_grad():
+            alone = server.rows_model(input_ids=torch.tensor([ids])).logits[0, -1]
+        # right-padded beside the longer prompt: the same products up to fbgemm's own order of sums
+        torch.testing.assert_close(last[index].float(), alone.float(), atol=0.02, rtol=0.01)
 
 
 @pytest.mark.slow
@@ -876,7 +935,7 @@ def test_compiled_int8_rows_without_dot_products_multiply_through_fbgemm(int8_mo
     calls.clear()
     out = decoder.generate(BATCH, max_new_tokens=9, **greedy())  # the prompt, then 8 steps
     linears = 7 * model.config.num_hidden_layers + 1
-    assert len(calls) == 8 * linears and len(set(calls)) == linears
+    assert len(calls) == 9 * linears and len(set(calls)) == linears  # the prompt's products through fbgemm too
     plain = CompiledDecoder(model, compile=False).generate(BATCH, max_new_tokens=9, **greedy())
     # 7-bit activations round at steps twice 8-bit's: a flip of one (inductor's fused norms against eager ones)
     # parts the random tiny model's tokens sooner than the 8-bit rows' above
