@@ -33,6 +33,12 @@ COMPILE_NOTICE = (
     "it from the compile cache in about a second); a reply sent before it is done waits for it; --no-compile "
     "answers at once, decoding more slowly"
 )
+# int8 weights (torchao's tensor subclasses) cannot be exported into a package: inductor's own cache is what helps
+COMPILE_EVERY_START_NOTICE = (
+    "compiling the decode step for this model in the background (about a minute on a CPU; int8 weights are "
+    "compiled again at every start, later ones faster from inductor's cache); a reply sent before it is done waits "
+    "for it; --no-compile answers at once, decoding more slowly"
+)
 
 
 def _announce(line):
@@ -49,7 +55,7 @@ def _compiled_decoder(model, args, announce=None):
     if decoder.is_packaged(1, CACHE_BUCKET):
         _announce(f"reusing the decode step compiled for this model before ({decoder.packages.directory})")
     else:
-        _announce(COMPILE_NOTICE)
+        _announce(COMPILE_NOTICE if decoder.backend == "aoti" else COMPILE_EVERY_START_NOTICE)
     decoder.prepare(1, CACHE_BUCKET, background=True)
     return decoder
 

@@ -463,8 +463,9 @@ class CompiledDecoder(CompiledStep):
     def prepare(self, batch: int = 1, needed: int = 1, background: bool = False) -> None:
         """Loads (or builds) the step for `batch` rows and a cache of `needed` positions now rather than at the first
         reply of that shape; `background`: in a thread, which the next `generate` waits for (the chat command
-        compiles while the user types the first message)."""
-        if not (self.compiled and self.backend == "aoti"):
+        compiles while the user types the first message). A step that cannot be packaged (int8 weights) is compiled
+        by torch.compile here all the same; the step runs once, on the cache the next reply of that shape reuses."""
+        if not self.compiled:
             return
         if background:
             self._preparing = threading.Thread(
@@ -475,7 +476,7 @@ class CompiledDecoder(CompiledStep):
         self.prompt_model(2)  # fbgemm's packed weights, where prompts multiply through them, made now
         token, position, cache = self._example(batch, needed)
         with torch.no_grad(), self._step_kernel():
-            self._package_or_fallback(token, position, cache)
+            self._compiled_logits(token, position, cache)
 
     def wait_prepared(self) -> None:
         if self._preparing is not None:

@@ -263,6 +263,23 @@ def test_failed_compile_warns_and_runs_eager(model):
     assert torch.equal(out, CompiledDecoder(model, compile=False).generate(PROMPT, max_new_tokens=12, **greedy()))
 
 
+def test_prepare_compiles_a_step_that_cannot_be_packaged(model, monkeypatch):
+    """A step that cannot be packaged (int8 weights, which cannot be exported) is compiled by torch.compile in
+    `prepare`'s background thread too; the next reply compiles nothing and decodes generate's tokens."""
+    from minimind.decode import compiled
+
+    monkeypatch.setattr(compiled, "_exportable", lambda model: False)
+    decoder = CompiledDecoder(model)
+    assert decoder.backend == "inductor" and decoder._step is None
+    decoder.prepare(1, CACHE_BUCKET, background=True)
+    decoder.wait_prepared()
+    built = decoder.compile_seconds
+    assert built > 0 and decoder._step is not None
+    out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
+    assert decoder.compile_seconds == built  # the reply's steps ran the graph prepared on its cache
+    assert torch.equal(out, reference(model, 12))
+
+
 @pytest.mark.slow
 def test_steps_compiled_in_the_process_skip_inductors_graph_cache_under_cpu_caps(monkeypatch):
     """Inductor's graph cache leaves the environment's CPU caps out of its key (under ATEN_CPU_CAPABILITY=avx2 it
