@@ -199,10 +199,10 @@ class CompiledStep:
     def prompt_model(self, tokens: int):
         """The model a prompt of `tokens` tokens in all (every sequence's) runs: `rows_model` where that multiplies
         through fbgemm, else `model`. A prompt's products are products over several rows, which torch's own kernels
-        compute in software where fbgemm's exist for them: 16-bit weights without 16-bit arithmetic (a bfloat16
-        prompt of 32 tokens 3x faster through fbgemm on a CPU whose kernels stop at AVX2) and int8 weights without
-        8-bit dot products. With those dot products torchao's 8-bit activations, what steps of several rows take,
-        made a prompt slower than the weight-only product, which it keeps."""
+        compute in software where fbgemm's exist for them: 16-bit weights without 16-bit arithmetic and int8 weights
+        without 8-bit dot products (docs/performance.md, "The precision for the CPU"). With those dot products
+        torchao's 8-bit activations, what steps of several rows take, made a prompt slower than the weight-only
+        product, which it keeps."""
         if tokens > 1 and self.rows_model is not None and multiplies_through_fbgemm(self.rows_model):
             return self.rows_model
         return self.model
