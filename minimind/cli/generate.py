@@ -364,6 +364,6 @@ def web(argv=None):
         compile_cache_dir=False if args.compile_cache_dir == "" else args.compile_cache_dir,
     )
     if args.compile:
-        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+        print(COMPILE_EVERY_START_NOTICE if args.int8 else COMPILE_NOTICE, file=sys.stderr, flush=True)
     page.launch(app, host=args.host, port=args.port, auth=(user, password) if args.auth else None)
     return app
