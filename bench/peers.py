@@ -222,7 +222,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
             products, gemms = FP32_PRODUCTS["sums"], False  # no product left to tune
         elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):
             products, gemms = "7-bit activations per row through fbgemm", False
-        elif step_model is not model:
+        elif step_model is decoder.rows_model:
             products = "prepacked weights, 8-bit activations per row"
         else:
             products = "prepacked weights"

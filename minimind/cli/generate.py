@@ -33,12 +33,6 @@ COMPILE_NOTICE = (
     "it from the compile cache in about a second); a reply sent before it is done waits for it; --no-compile "
     "answers at once, decoding more slowly"
 )
-# int8 weights (torchao's tensor subclasses) cannot be exported into a package: inductor's own cache is what helps
-COMPILE_EVERY_START_NOTICE = (
-    "compiling the decode step for this model in the background (about a minute on a CPU; int8 weights are "
-    "compiled again at every start, later ones faster from inductor's cache); a reply sent before it is done waits "
-    "for it; --no-compile answers at once, decoding more slowly"
-)
 
 
 def _announce(line):
@@ -55,7 +49,7 @@ def _compiled_decoder(model, args, announce=None):
     if decoder.is_packaged(1, CACHE_BUCKET):
         _announce(f"reusing the decode step compiled for this model before ({decoder.packages.directory})")
     else:
-        _announce(COMPILE_NOTICE if decoder.backend == "aoti" else COMPILE_EVERY_START_NOTICE)
+        _announce(COMPILE_NOTICE)
     decoder.prepare(1, CACHE_BUCKET, background=True)
     return decoder
 
@@ -364,6 +358,6 @@ def web(argv=None):
         compile_cache_dir=False if args.compile_cache_dir == "" else args.compile_cache_dir,
     )
     if args.compile:
-        print(COMPILE_EVERY_START_NOTICE if args.int8 else COMPILE_NOTICE, file=sys.stderr, flush=True)
+        print(COMPILE_NOTICE, file=sys.stderr, flush=True)
     page.launch(app, host=args.host, port=args.port, auth=(user, password) if args.auth else None)
     return app

@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fbgemm import float16_rows_products, multiplies_through_fbgemm
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
-from minimind.decode.int8 import int8_activation_products, plain_weights
+from minimind.decode.int8 import int8_activation_products, plain_weights, weight_only_int8_view
 from minimind.decode.memory import lazy_zeros, zero_again
 from minimind.decode.packages import (
     WEIGHTS_APART,
@@ -93,10 +93,16 @@ class CompiledStep:
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent building or loading the step of each new shape
+        # What one-row steps run: the model, or where its weights are torchao's int8 tensors, the same weights over
+        # plain tensors (`weight_only_int8_view`), which can be exported as the subclasses cannot. None where
+        # neither holds (other tensor subclasses).
+        self.plain_model = model if plain_weights(model) else weight_only_int8_view(model)
         # "aoti": AOTInductor packages kept in `cache_dir` (None: `default_cache_dir()`; False: none kept), built
         # once per model, shape, torch and CPU; "inductor": torch.compile in this process, where the model cannot
-        # be exported (torchao's int8 weights) or a package cannot be built. The same inductor settings either way.
-        self.backend = "aoti" if _exportable(model) else "inductor"
+        # be exported or a package cannot be built. The same inductor settings either way. A step of several rows
+        # whose model holds tensor subclasses (int8 weights by torchao's int8 activations) is compiled by
+        # torch.compile too (`_packages`).
+        self.backend = "aoti" if self.plain_model is not None and _exportable(self.plain_model) else "inductor"
         self.keep_steps(cache_dir, announce)
         self._packaged: dict[tuple, object] = {}  # inputs signature -> the loaded package's runner
         self._run = None  # the runner of the cache in `_compiled_for` (None: the torch.compile'd step)
@@ -193,8 +199,15 @@ class CompiledStep:
         return self._rows_model
 
     def model_for(self, batch: int):
-        """The model a step of `batch` rows runs: `rows_model` for several rows where there is one, else `model`."""
-        return self.rows_model if batch > 1 and self.rows_model is not None else self.model
+        """The model a step of `batch` rows runs: `rows_model` for several rows where there is one, else
+        `plain_model` where there is one, else `model`."""
+        if batch > 1 and self.rows_model is not None:
+            return self.rows_model
+        return self.model if self.plain_model is None else self.plain_model
+
+    def _packages(self, batch: int) -> bool:
+        """Whether the step of `batch` rows is packaged (AOTInductor) rather than compiled by torch.compile."""
+        return self.compiled and self.backend == "aoti" and _exportable(self.model_for(batch))
 
     def prompt_model(self, tokens: int):
         """The model a prompt of `tokens` tokens in all (every sequence's) runs: `rows_model` where that multiplies
@@ -251,12 +264,7 @@ class CompiledStep:
     @contextlib.contextmanager
     def _compile_settings(self, batch):
         # capture_scalar_outputs: the steps' attention reads how much of the cache is filled (_filled_length)
-        # fx_graph_cache: inductor's graph cache leaves the environment's CPU caps out of its key, so under a cap it
-        # would load the kernels an uncapped process built (AVX-512 ones under ATEN_CPU_CAPABILITY=avx2); packages
-        # are keyed by the caps (`cpu_material`).
-        settings = self.inductor_settings(batch)
-        if cpu_caps():
-            settings["fx_graph_cache"] = False
+        settings = _uncached_under_caps(self.inductor_settings(batch))
         with (
             torch._inductor.config.patch(settings),
             torch._dynamo.config.patch(capture_scalar_outputs=True),
@@ -308,14 +316,15 @@ class CompiledStep:
 
     def _material(self, inputs, batch: int) -> dict:
         if self._digests is None:  # reading every weight once per decoder, not once per shape
-            self._digests = (weights_digest(self.model), code_digest(self.model))
+            # the plain model's tensors are every weight a step reads, int8 values and scales included
+            self._digests = (weights_digest(self.plain_model), code_digest(self.model))
         settings = {**self.inductor_settings(batch), "step_attention": self.step_attention}
         return entry_material(self.model, type(self).__name__, inputs, settings, *self._digests)
 
     def is_packaged(self, batch: int, needed: int) -> bool:
         """Whether a package of the step for `batch` rows and a cache of `needed` positions is in the cache directory,
         so that the first reply of that shape loads it instead of compiling (what the commands announce)."""
-        if not (self.compiled and self.backend == "aoti"):
+        if not self._packages(batch):
             return False
         token, position, cache = self._example(batch, needed)
         return self.packages.has(self._material(self._step_inputs(token, position, cache), batch))
@@ -331,7 +340,7 @@ class CompiledStep:
 
     def _package_or_fallback(self, token, position, cache):
         """`_package`, or None (with a warning) where the step cannot be packaged: then torch.compile builds it."""
-        if not (self.compiled and self.backend == "aoti"):
+        if not self._packages(token.shape[0]):
             return None
         try:
             with BUILD_LOCK:
@@ -350,7 +359,7 @@ class CompiledStep:
         built (exported, compiled by AOTInductor with `inductor_settings`) and kept there."""
         # what the step runs, built before a package of it is loaded: its fbgemm products find their packed weights
         # by the values they were packed from
-        self.model_for(token.shape[0])
+        model = self.model_for(token.shape[0])
         inputs = self._step_inputs(token, position, cache)
         signature = tuple(map(tuple, map(lambda row: tuple(map(str, row)), inputs_signature(inputs))))
         if signature in self._packaged:
@@ -359,7 +368,7 @@ class CompiledStep:
         batch = token.shape[0]
         material = self._material(inputs, batch)
         # the package's names for the tensors the step holds unchanged (see `_ExportedStep`)
-        own = {f"model.{name}": tensor.detach() for name, tensor in _named_tensors(self.model)}
+        own = {f"model.{name}": tensor.detach() for name, tensor in _named_tensors(model)}
         run = self.packages.load(material, own)
         if run is not None:
             self._say(
@@ -384,8 +393,8 @@ class CompiledStep:
         which fp32 steps of several rows multiply by, are opaque tensors that only the library can hold, so those
         steps keep their weights inside, and a one-row step that cannot be built apart (its kernels turned out to
         need opaque weights) is built again with them inside."""
-        step = _ExportedStep(self, cache)
-        settings = self.inductor_settings(batch)
+        step = _ExportedStep(self, cache, batch)
+        settings = _uncached_under_caps(self.inductor_settings(batch))
         settings.pop("cpp_wrapper")  # AOTInductor's wrapper is C++ anyway
         # The export sees fake tensors only: the cache it traces over is untouched.
         with (
@@ -409,20 +418,31 @@ class CompiledStep:
 
 
 class _ExportedStep(torch.nn.Module):
-    """The step as `torch.export` takes it: a module holding the model (whose weights freezing makes constants)
-    called with the token, its position and the cache's tensors."""
+    """The step as `torch.export` takes it: a module holding the model the step runs (`model_for`, whose weights
+    freezing makes constants) called with the token, its position and the cache's tensors."""
 
-    def __init__(self, decoder: CompiledStep, cache):
+    def __init__(self, decoder: CompiledStep, cache, batch: int):
         super().__init__()
-        self.model = decoder.model
+        self.model = decoder.model_for(batch)
         self._decoder, self._cache = decoder, cache
 
     def forward(self, token, position, state):
         return self._decoder._forward_one(token, position, self._decoder._cache_over(self._cache, position, state))
 
 
+def _uncached_under_caps(settings: dict) -> dict:
+    """`settings` with inductor's on-disk caches of graphs and of autotuning times turned off where the environment
+    caps the CPU's kernels (`cpu_caps`). Both leave the caps out of their keys: under a cap the graph cache would
+    load the kernels an uncapped process built (AVX-512 ones under ATEN_CPU_CAPABILITY=avx2), and autotuning would
+    weigh an ATen kernel's time taken under one cap against a template's taken under another, and pick by that; an
+    uncapped process would read what a capped one wrote. Packages are keyed by the caps (`cpu_material`)."""
+    if cpu_caps():
+        return {**settings, "fx_graph_cache": False, "autotune_local_cache": False}
+    return settings
+
+
 def _exportable(model) -> bool:
-    """Plain tensors only: torchao's int8 weights are tensor subclasses, which the package would have to unwrap."""
+    """Plain tensors only: torchao's tensor subclasses (int8 weights by int8 activations) do not export."""
     return plain_weights(model)
 
 
@@ -463,8 +483,9 @@ class CompiledDecoder(CompiledStep):
     def prepare(self, batch: int = 1, needed: int = 1, background: bool = False) -> None:
         """Loads (or builds) the step for `batch` rows and a cache of `needed` positions now rather than at the first
         reply of that shape; `background`: in a thread, which the next `generate` waits for (the chat command
-        compiles while the user types the first message). A step that cannot be packaged (int8 weights) is compiled
-        by torch.compile here all the same; the step runs once, on the cache the next reply of that shape reuses."""
+        compiles while the user types the first message). A step that cannot be packaged (a model holding tensor
+        subclasses other than `quantize_weights_int8`'s) is compiled by torch.compile here all the same; the step
+        runs once, on the cache the next reply of that shape reuses."""
         if not self.compiled:
             return
         if background:

@@ -44,6 +44,58 @@ def plain_weights(model) -> bool:
     return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
 
 
+class Int8WeightOnlyProduct(torch.nn.Module):
+    """One of torchao's weight-only int8 linear layers over plain tensors: `qdata` (int8 [out, in]) and `scale` (one
+    per output row), multiplied as torchao's per-row product multiplies them (the activations by the weight widened
+    to their dtype, then by the scales), so the logits are torchao's own. Plain tensors can be exported, which
+    torchao's tensor subclasses cannot: what lets a one-row int8 step be packaged (`weight_only_int8_view`)."""
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        # persistent: `minimind.decode.packages.weights_digest` reads the state dict
+        self.register_buffer("qdata", weight.qdata)
+        self.register_buffer("scale", weight.scale)
+        self.bias = bias
+
+    def forward(self, x):  # [..., in]
+        # The widening as prims' conversion, which is how inductor's freezing recognises a weight-only int8 product:
+        # it leaves the int8 weight unfolded and multiplies it as it is. An exported step would otherwise reach
+        # freezing with `_to_copy`, which folds into a 16-bit copy of every weight, multiplied as such.
+        widened = torch.ops.prims.convert_element_type(self.qdata.permute(1, 0), x.dtype)  # [in, out]
+        rows = torch.mm(x.reshape(-1, x.shape[-1]), widened)  # [M, out]
+        out = (rows * self.scale.to(rows.dtype).flatten()).reshape(*x.shape[:-1], -1)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+def weight_only_int8_view(model):
+    """`model` with every int8 weight of `quantize_weights_int8` seen over plain tensors (`Int8WeightOnlyProduct`):
+    what the compiled one-row steps run and export. A copy of the modules only: the int8 values, their scales and
+    every other tensor are the model's own. None where the model holds other tensor subclasses (int8 activations,
+    scales per group of columns, a scale applied to the activations first), which the view would not multiply as
+    torchao does."""
+    if plain_weights(model):
+        return None
+    from torchao.quantization import Int8Tensor
+
+    view = modules_copied(model)
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, Int8Tensor):
+            continue
+        if (
+            not isinstance(module, torch.nn.Linear)
+            or weight.act_quant_kwargs is not None
+            or getattr(weight, "act_pre_scale", None) is not None
+            or tuple(weight.block_size) != (1, weight.qdata.shape[-1])
+        ):
+            return None
+        parent, _, child = name.rpartition(".")
+        setattr(view.get_submodule(parent), child, Int8WeightOnlyProduct(weight, module.bias))
+    return view if plain_weights(view) else None
+
+
 def int8_activation_products(model):
     """`model` with every int8 weight of `quantize_weights_int8` multiplied by int8 activations: each call quantizes
     its input to int8 with one scale per row (per token, symmetric) and multiplies in integer arithmetic, as

@@ -297,20 +297,15 @@ def test_top_p_restricts_sampling(model_and_tokenizer, decoded_by):
 
 @pytest.mark.parametrize("flags, notice", [([], True), (["--no-compile"], False), (["--int8"], True)])
 def test_compile_notice_is_printed_once(chat_model_dir, monkeypatch, capsys, flags, notice):
-    """The chat command says once that the first reply compiles; with int8 weights, which no package can hold,
-    that every start compiles."""
+    """The chat command says once that the first reply compiles (int8 weights too: their step is packaged)."""
     import io
 
     from conftest import decode_uncompiled
     from minimind import cli
-    from minimind.cli.generate import COMPILE_EVERY_START_NOTICE
 
     if "--int8" in flags:
         pytest.importorskip("torchao")
     decode_uncompiled(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nAgain\n"))
     cli.chat(["--model_name_or_path", chat_model_dir, "--max_new_tokens", "2", "--device", "cpu", *flags])
-    err = capsys.readouterr().err
-    every_start = "--int8" in flags
-    assert err.count(cli.COMPILE_NOTICE) == (1 if notice and not every_start else 0)
-    assert err.count(COMPILE_EVERY_START_NOTICE) == (1 if notice and every_start else 0)
+    assert capsys.readouterr().err.count(cli.COMPILE_NOTICE) == (1 if notice else 0)

@@ -249,23 +249,21 @@ def test_command_starts_page_with_its_flags(chat_model_dir, thinking_model_dir, 
     assert "warning" not in capsys.readouterr().err  # loopback: no warning
 
 
-@pytest.mark.parametrize("flags, notice", [([], "once"), (["--int8"], "every start"), (["--no-compile"], None)])
+@pytest.mark.parametrize("flags, notice", [([], True), (["--int8"], True), (["--no-compile"], False)])
 def test_command_says_how_its_decode_step_compiles(chat_model_dir, monkeypatch, capsys, flags, notice):
-    """The web command says once that the decode step compiles: with int8 weights, which no package can hold, that
-    every start compiles it; nothing with --no-compile."""
+    """The web command says once that the decode step compiles (int8 weights too: their step is packaged);
+    nothing with --no-compile."""
     pytest.importorskip("gradio")
     if "--int8" in flags:
         pytest.importorskip("torchao")
     import minimind.web
     from conftest import decode_uncompiled
-    from minimind.cli.generate import COMPILE_EVERY_START_NOTICE, COMPILE_NOTICE
+    from minimind.cli.generate import COMPILE_NOTICE
 
     decode_uncompiled(monkeypatch)
     monkeypatch.setattr(minimind.web, "launch", lambda app, host, port, auth: None)
     load_script("web_demo").main(["--model_name_or_path", chat_model_dir, *flags])
-    err = capsys.readouterr().err
-    assert err.count(COMPILE_NOTICE) == (1 if notice == "once" else 0)
-    assert err.count(COMPILE_EVERY_START_NOTICE) == (1 if notice == "every start" else 0)
+    assert capsys.readouterr().err.count(COMPILE_NOTICE) == (1 if notice else 0)
 
 
 @pytest.mark.parametrize("auth, warned", [(None, True), ("me:secret", False)])

@@ -264,7 +264,7 @@ def test_failed_compile_warns_and_runs_eager(model):
 
 
 def test_prepare_compiles_a_step_that_cannot_be_packaged(model, monkeypatch):
-    """A step that cannot be packaged (int8 weights, which cannot be exported) is compiled by torch.compile in
+    """A step that cannot be packaged (tensor subclasses, which do not export) is compiled by torch.compile in
     `prepare`'s background thread too; the next reply compiles nothing and decodes generate's tokens."""
     from minimind.decode import compiled
 
@@ -281,33 +281,45 @@ def test_prepare_compiles_a_step_that_cannot_be_packaged(model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_steps_compiled_in_the_process_skip_inductors_graph_cache_under_cpu_caps(monkeypatch):
-    """Inductor's graph cache leaves the environment's CPU caps out of its key (under ATEN_CPU_CAPABILITY=avx2 it
-    loaded AVX-512 kernels an uncapped process had built): under a cap, a step torch.compile builds in the process
-    (int8 weights, which cannot be exported into a package) is compiled, never loaded from that cache. Uncapped,
-    the same step compiled again is a hit: the cache is in play."""
+def test_steps_compiled_in_the_process_skip_inductors_caches_under_cpu_caps(monkeypatch):
+    """Inductor's graph cache and its cache of autotuning times leave the environment's CPU caps out of their keys
+    (under ATEN_CPU_CAPABILITY=avx2 the graph cache loaded AVX-512 kernels an uncapped process had built, and
+    autotuning weighed times taken under different caps): under a cap, a step torch.compile builds in the process
+    is compiled and autotuned afresh, neither cache read. Uncapped, the same step compiled again is a graph cache
+    hit and autotuning reads its times: the caches are in play."""
     pytest.importorskip("torchao")
     from torch._dynamo.utils import counters
+    from torch._inductor.codecache import CacheBase
 
-    from minimind.decode import quantize_weights_int8
+    from minimind.decode import compiled, quantize_weights_int8
 
+    monkeypatch.setattr(compiled, "_exportable", lambda model: False)  # compiled in the process
+    # int8 weights: autotuned products
     model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
     for name in CAP_VARIABLES:
         monkeypatch.delenv(name, raising=False)
+    reads = []
+    read = CacheBase.get_local_cache
+    monkeypatch.setattr(CacheBase, "get_local_cache", lambda self: reads.append(1) or read(self))
 
     def compiled_in_the_process():
         decoder = CompiledDecoder(model)
         counters.clear()
+        reads.clear()
         tokens = decoder.generate(PROMPT, max_new_tokens=4, **greedy())
         assert decoder.backend == "inductor" and decoder.compiled
-        return tokens, counters["inductor"]["fxgraph_cache_hit"]
+        return tokens, counters["inductor"]["fxgraph_cache_hit"], len(reads)
 
-    first, _ = compiled_in_the_process()
-    again, hits = compiled_in_the_process()
+    first, _, _ = compiled_in_the_process()
+    again, hits, _ = compiled_in_the_process()
     assert hits == 1 and torch.equal(again, first)
-    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # a cap with no effect on the code: only the key is at stake
-    capped, hits = compiled_in_the_process()
+    with torch._inductor.config.patch(fx_graph_cache=False):  # built afresh: autotuning runs and reads its times
+        _, _, timings_read = compiled_in_the_process()
+    assert timings_read > 0
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # a cap with no effect on the code: only keys are at stake
+    capped, hits, capped_timings_read = compiled_in_the_process()
     assert hits == 0 and torch.equal(capped, first)
+    assert capped_timings_read == 0
 
 
 def poison_unwritten_positions(decoder, monkeypatch):
@@ -459,7 +471,9 @@ def test_row_step_writes_each_layer_into_its_own_input(model):
     inputs = decoder._step_inputs(torch.zeros(2, 1, dtype=torch.long), cache.positions, cache)
     assert [t.data_ptr() for t in inputs[2:]] == [t.data_ptr() for t in (*cache.keys, *cache.values)]
     with torch.no_grad(), decoder._step_kernel(), torch._dynamo.config.patch(capture_scalar_outputs=True):
-        program = torch.export.export(_ExportedStep(decoder, cache), (inputs[0], inputs[1], inputs[2:]), strict=False)
+        program = torch.export.export(
+            _ExportedStep(decoder, cache, 2), (inputs[0], inputs[1], inputs[2:]), strict=False
+        )
     written = [
         node.args[0]
         for node in program.graph.nodes
@@ -481,6 +495,100 @@ def test_row_steps_equal_generate(model, monkeypatch):
     assert decoder.packages.built == len(decoder._packaged) == 3  # 1, 2 and 4 rows
     assert decode_rows_as_a_server_does(decoder, model) == rows  # a new cache, the same batch sizes: nothing new
     assert decoder.packages.built == len(decoder._packaged) == 3 and decoder.packages.loaded == 0
+
+
+@pytest.mark.slow
+def test_int8_one_row_steps_are_packaged_over_the_int8_values(compile_cache, monkeypatch):
+    """torchao's int8 weights are tensor subclasses, which do not export: the one-row step runs the same int8 values
+    and scales as plain tensors (`weight_only_int8_view`), which do. Every product of the packaged graph stays a
+    weight-only int8 product (none over a 16-bit copy of a weight); the tokens are the torch.compile'd step's; a
+    later decoder loads the package and decodes the same; an int8 value changed is another entry."""
+    pytest.importorskip("torchao")
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from minimind.decode import compiled, quantize_weights_int8
+
+    model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
+    decoder = CompiledDecoder(model)
+    assert decoder.backend == "aoti" and decoder.model_for(1) is decoder.plain_model
+    products = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            kinds = ("mm", "linear", "woq_int8")  # ATen's products, oneDNN's and MKL's linears, the int8 lowering
+            targets = [str(node.target) for node in graph.nodes]
+            products.extend(target for target in targets if any(kind in target for kind in kinds))
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=Record(), fx_graph_cache=False):
+        out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
+    assert (decoder.packages.built, decoder.packages.loaded) == (1, 0)
+    # each of the 7 projections per layer and the head, q/k/v and gate/up merged where inductor merges them
+    assert products and all("woq_int8" in target or "_weight_int8pack_mm" in target for target in products)
+    with monkeypatch.context() as patch:
+        patch.setattr(compiled, "_exportable", lambda model: False)
+        in_process = CompiledDecoder(model)
+        assert torch.equal(in_process.generate(PROMPT, max_new_tokens=12, **greedy()), out)
+        assert in_process.backend == "inductor" and in_process.packages.built == 0
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+        patch.setattr(torch.export, "export", no_compiling)
+        later = CompiledDecoder(model)
+        assert later.is_packaged(1, PROMPT.shape[1] + 12)
+        assert torch.equal(later.generate(PROMPT, max_new_tokens=12, **greedy()), out)
+        assert (later.packages.built, later.packages.loaded) == (0, 1)
+
+    def material(decoder):
+        token, position, cache = decoder._example(1, 64)
+        return decoder._material(decoder._step_inputs(token, position, cache), 1)
+
+    before = material(CompiledDecoder(model))
+    model.model.layers[0].mlp.down_proj.weight.qdata[0, 0] += 1
+    assert material(CompiledDecoder(model)) != before
+
+
+def test_int8_weights_seen_over_plain_tensors_multiply_as_torchao():
+    """`weight_only_int8_view`: every int8 linear layer over the same int8 values and scales (no copy), the logits
+    exactly torchao's; none for a model without int8 weights or with int8 activations, which it would multiply
+    otherwise."""
+    pytest.importorskip("torchao")
+    from minimind.decode import quantize_weights_int8
+    from minimind.decode.int8 import Int8WeightOnlyProduct, plain_weights, weight_only_int8_view
+
+    model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
+    view = weight_only_int8_view(model)
+    assert plain_weights(view)
+    layers = {name: module for name, module in view.named_modules() if isinstance(module, Int8WeightOnlyProduct)}
+    assert len(layers) == 7 * model.config.num_hidden_layers + 1
+    for name, layer in layers.items():
+        weight = model.get_submodule(name).weight
+        assert layer.qdata.data_ptr() == weight.qdata.data_ptr() and layer.scale.data_ptr() == weight.scale.data_ptr()
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(view(ids).logits, model(ids).logits)
+    assert weight_only_int8_view(tiny_model()) is None
+    from torchao.quantization import Int8Tensor, PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import QuantizeTensorToInt8Kwargs
+
+    head = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(
+        Int8Tensor(
+            head.qdata,
+            head.scale,
+            head.block_size,
+            head.dtype,
+            head.zero_point,
+            act_quant_kwargs=QuantizeTensorToInt8Kwargs(granularity=PerRow()),
+        ),
+        requires_grad=False,
+    )
+    assert weight_only_int8_view(model) is None
 
 
 def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch):

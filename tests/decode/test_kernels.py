@@ -823,8 +823,9 @@ def test_int8_rows_without_dot_products_multiply_7_bit_activations(int8_model_wi
 
 @pytest.mark.parametrize("cpu", ["int8_model", "int8_model_without_dot_products"])
 def test_int8_steps_of_several_rows_take_int8_activations(cpu, request):
-    """A decoder's one-row step runs the weight-only model, a step of several rows the int8-activation view, which
-    is built for the first such step (fbgemm's packed copies of the weights are made only where they are used)."""
+    """A decoder's one-row step runs the weight-only model (its int8 values over plain tensors), a step of several
+    rows the int8-activation view, which is built for the first such step (fbgemm's packed copies of the weights are
+    made only where they are used)."""
     from minimind.decode.fbgemm import _PACKED
 
     int8_model = request.getfixturevalue(cpu)
@@ -833,7 +834,7 @@ def test_int8_steps_of_several_rows_take_int8_activations(cpu, request):
     decoder = CompiledDecoder(int8_model, compile=False)
     decoder.generate(PROMPT[:, :1], max_new_tokens=2, **greedy())
     assert len(_PACKED) == packed
-    assert decoder.model_for(1) is int8_model and decoder.model_for(3) is decoder.rows_model is not None
+    assert decoder.model_for(1) is decoder.plain_model is not None and decoder.model_for(3) is decoder.rows_model
     linears = 7 * int8_model.config.num_hidden_layers + 1
     fbgemm = cpu == "int8_model_without_dot_products"
     assert len(_PACKED) - packed == (linears if fbgemm else 0)
