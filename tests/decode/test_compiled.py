@@ -40,6 +40,17 @@ def model():
     return tiny_model(std=0.3)
 
 
+def entry_of(decoder, batch=1, needed=64):
+    """What names the package entry of `decoder`'s step for `batch` rows and a cache of `needed` positions."""
+    token, position, cache = decoder._example(batch, needed)
+    return decoder._material(decoder._step_inputs(token, position, cache), batch)
+
+
+def no_compiling(*args, **kwargs):
+    """Patched over torch.export and AOTInductor where a step must be loaded, not built."""
+    raise AssertionError("compiled again")
+
+
 def test_cache_lengths_round_up_to_the_bucket():
     assert [cache_length(n) for n in (1, CACHE_BUCKET, CACHE_BUCKET + 1)] == [
         CACHE_BUCKET,
@@ -533,9 +544,6 @@ def test_int8_one_row_steps_are_packaged_over_the_int8_values(compile_cache, mon
         assert torch.equal(in_process.generate(PROMPT, max_new_tokens=12, **greedy()), out)
         assert in_process.backend == "inductor" and in_process.packages.built == 0
 
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again")
-
     with monkeypatch.context() as patch:
         patch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
         patch.setattr(torch.export, "export", no_compiling)
@@ -544,13 +552,9 @@ def test_int8_one_row_steps_are_packaged_over_the_int8_values(compile_cache, mon
         assert torch.equal(later.generate(PROMPT, max_new_tokens=12, **greedy()), out)
         assert (later.packages.built, later.packages.loaded) == (0, 1)
 
-    def material(decoder):
-        token, position, cache = decoder._example(1, 64)
-        return decoder._material(decoder._step_inputs(token, position, cache), 1)
-
-    before = material(CompiledDecoder(model))
+    before = entry_of(CompiledDecoder(model))
     model.model.layers[0].mlp.down_proj.weight.qdata[0, 0] += 1
-    assert material(CompiledDecoder(model)) != before
+    assert entry_of(CompiledDecoder(model)) != before
 
 
 def test_int8_weights_seen_over_plain_tensors_multiply_as_torchao():
@@ -599,32 +603,28 @@ def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch)
 
     from minimind.decode import packages
 
-    def material(decoder, batch=1, needed=64):
-        token, position, cache = decoder._example(batch, needed)
-        return decoder._material(decoder._step_inputs(token, position, cache), batch)
-
-    base = material(CompiledDecoder(model))
-    assert material(CompiledDecoder(model)) == base  # the same model, a new decoder: the same entry
+    base = entry_of(CompiledDecoder(model))
+    assert entry_of(CompiledDecoder(model)) == base  # the same model, a new decoder: the same entry
     elsewhere = copy.deepcopy(model)
     elsewhere.config._name_or_path = "/a/copy/of/the/checkpoint"
-    assert material(CompiledDecoder(elsewhere)) == base  # where the checkpoint lies is not part of the step
+    assert entry_of(CompiledDecoder(elsewhere)) == base  # where the checkpoint lies is not part of the step
     other_weights = copy.deepcopy(model)
     with torch.no_grad():
         other_weights.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3
     changed = {
-        "weights": material(CompiledDecoder(other_weights)),
-        "dtype": material(CompiledDecoder(copy.deepcopy(model).to(torch.bfloat16))),
-        "batch": material(CompiledDecoder(model), batch=2),
-        "bucket": material(CompiledDecoder(model), needed=CACHE_BUCKET + 1),
+        "weights": entry_of(CompiledDecoder(other_weights)),
+        "dtype": entry_of(CompiledDecoder(copy.deepcopy(model).to(torch.bfloat16))),
+        "batch": entry_of(CompiledDecoder(model), batch=2),
+        "bucket": entry_of(CompiledDecoder(model), needed=CACHE_BUCKET + 1),
     }
     monkeypatch.setattr(torch, "__version__", "0.0.0+other")
-    changed["torch"] = material(CompiledDecoder(model))
+    changed["torch"] = entry_of(CompiledDecoder(model))
     monkeypatch.undo()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # a cap on the instructions inductor builds for
-    changed["cap"] = material(CompiledDecoder(model))
+    changed["cap"] = entry_of(CompiledDecoder(model))
     monkeypatch.undo()
     monkeypatch.setattr(packages, "cpu_material", lambda: {"capability": "AVX2", "cpuinfo": {}})
-    changed["cpu"] = material(CompiledDecoder(model))
+    changed["cpu"] = entry_of(CompiledDecoder(model))
     names = {key: packages.entry_name(value) for key, value in changed.items()}
     assert packages.entry_name(base) not in names.values() and len(set(names.values())) == len(names)
 
@@ -887,9 +887,6 @@ def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
     assert (first.packages.built, first.packages.loaded) == (1, 0)
     [package] = compile_cache.glob("*.pt2")
     built = package.read_bytes()
-
-    def no_compiling(*args, **kwargs):
-        raise AssertionError("compiled again")
 
     # The one-row step's weights are files of their own in the archive, not data in its library.
     with zipfile.ZipFile(package) as archive:
