@@ -143,9 +143,12 @@ class PeerContext:
 
     def minimind(self, weights):
         if weights not in self._models:
+            from minimind.decode import int8_activations_dtype
+
+            dtype = DTYPES[weights] if weights != "int8" else getattr(torch, int8_activations_dtype())
             model = MiniMindForCausalLM.from_pretrained(
                 self.model_dir,
-                dtype=DTYPES["bf16" if weights == "int8" else weights],
+                dtype=dtype,
                 attn_implementation=self.settings.attn_implementation,
             ).eval()
             if weights == "int8":
@@ -195,7 +198,7 @@ def _compiled_decode(model, ids, new, weights, compile=True):
     `generate` at the same precision. `compile=False`: the same decoder with its steps run eagerly."""
     from minimind.decode import GROUPED_QUERY_SDPA, CompiledDecoder, SixteenBitProducts, fp32_product_kernel
     from minimind.decode.fbgemm import Float16RowsProduct
-    from minimind.decode.int8 import Int8RowsProduct
+    from minimind.decode.int8 import Int8RowsProduct, Int8RowSums
 
     decoder = CompiledDecoder(model, compile=compile)
 
@@ -211,7 +214,11 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         step_model = decoder.model_for(ids.shape[0])
         sums = settings["post_grad_custom_pre_pass"]
         tied = model.config.tie_word_embeddings
-        if decoder.dtype == torch.float32:
+        if any(isinstance(module, Int8RowSums) for module in step_model.modules()):
+            products, gemms = "int8 values widened in float32 sums, four to a word", False
+        elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):
+            products, gemms = "7-bit activations per row through fbgemm", False
+        elif decoder.dtype == torch.float32:
             products = FP32_PRODUCTS[fp32_product_kernel(ids.shape[0])]
             products += TIED_HEAD_SUMS if tied and fp32_product_kernel(ids.shape[0]) == "template" else ""
         elif any(isinstance(module, Float16RowsProduct) for module in step_model.modules()):
@@ -220,8 +227,6 @@ def _compiled_decode(model, ids, new, weights, compile=True):
             products = FP32_PRODUCTS["template"] + (TIED_HEAD_SUMS if tied else "")
         elif isinstance(sums, SixteenBitProducts):
             products, gemms = FP32_PRODUCTS["sums"], False  # no product left to tune
-        elif any(isinstance(module, Int8RowsProduct) for module in step_model.modules()):
-            products, gemms = "7-bit activations per row through fbgemm", False
         elif step_model is decoder.rows_model:
             products = "prepacked weights, 8-bit activations per row"
         else:
@@ -231,9 +236,9 @@ def _compiled_decode(model, ids, new, weights, compile=True):
             ", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
         )
         prompt = "; the prompt's products through fbgemm" if decoder.prompt_model(ids.numel()) is not model else ""
+        frozen = "with freezing, merged projections" if settings["freezing"] else "without freezing"
         compiled = (
-            f"torch.compile with freezing, merged projections, {products}{attention}, compiled in "
-            f"{decoder.compile_seconds:.0f} s{prompt}"
+            f"torch.compile {frozen}, {products}{attention}, compiled in {decoder.compile_seconds:.0f} s{prompt}"
             if compile
             else f"steps run eagerly (quick mode){attention}{prompt}"
         )

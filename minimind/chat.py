@@ -46,23 +46,26 @@ def load_model_and_tokenizer(
     """The model (eval mode, on `device`) and its tokenizer from one MiniMind directory or Hub id, checked and
     loaded with the installed classes (`minimind.loading`). `dtype` "auto": the precision picked for the device
     (`minimind.hardware.pick_dtype`). `int8`: the decoder layers' and the LM head's weights in int8
-    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`, bfloat16 when that says float32 or auto. On a
+    (`minimind.decode.quantize_weights_int8`), the rest in `dtype`; where that says float32 or auto, in bfloat16,
+    or in float32 on a CPU without bfloat16 arithmetic (`minimind.decode.int8_activations_dtype`). On a
     CPU without arithmetic of its own for the 16-bit weights, prompts are multiplied in float32
     (`minimind.decode.widen_products`). `announce` gets one line saying the precision and the arithmetic."""
+    from minimind.decode.int8 import int8_activations_dtype
     from minimind.hardware import pick_dtype
 
     device = device or default_device()
     why = ""
-    if dtype == "auto":
+    if int8 and dtype in ("auto", "float32"):
+        dtype = int8_activations_dtype(device)
+        why = "this CPU has no bfloat16 arithmetic" if dtype == "float32" else ""
+    elif dtype == "auto":
         dtype, why = pick_dtype(device)
-    if int8 and dtype == "float32":
-        dtype = "bfloat16"
     directory = loading.model_directory(model_name_or_path)
     model = loading.load_model(directory, dtype=DTYPES[dtype])
     tokenizer = loading.load_tokenizer(directory)
     model = model.to(device).eval()
     widened = 0
-    if DTYPES[dtype] != torch.float32:
+    if int8 or DTYPES[dtype] != torch.float32:
         from minimind.decode import quantize_weights_int8, widen_products
 
         if int8:

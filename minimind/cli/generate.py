@@ -72,7 +72,8 @@ def _add_decode_flags(parser):
         "--int8",
         action="store_true",
         help="weight-only int8 decoder layers and LM head (torchao; pip install 'minimind[int8]'), the rest "
-        "in bfloat16 unless --dtype float16: the fastest CPU decode",
+        "in bfloat16 (float32 on a CPU without bfloat16 arithmetic) unless --dtype says a 16-bit type: the "
+        "fastest CPU decode",
     )
 
 

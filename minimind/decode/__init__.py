@@ -15,8 +15,9 @@ Every name is importable from here; each lives in the module that does its job:
 - `sampling`: the next token, greedy or through transformers' logits warpers (`sampling_warpers`,
   `choose_tokens`).
 - `rows`: the server's steps (`RowDecoder`) over a cache of independent rows (`RowCache`).
-- `int8`: int8 decoder layers and LM head (`quantize_weights_int8`), multiplied by int8 activations over several
-  rows (`int8_activation_products`).
+- `int8`: int8 decoder layers and LM head (`quantize_weights_int8`, their activations' dtype for the CPU
+  `int8_activations_dtype`), multiplied by int8 activations over several rows (`int8_activation_products`) and,
+  with float32 activations, one row as sums over words of four values (`Int8RowSums`).
 - `fbgemm`: products over fbgemm's packed weights for steps of several rows and the compiled decoders' prompts (the
   op `minimind::fbgemm_product`, `packed_weight`, `PackedProduct`); 16-bit weights as float16 where torch's kernels
   stop at AVX2 (`float16_rows_products`).
@@ -34,7 +35,7 @@ from minimind.decode.fp32_products import (
     Fp32Products,
     fp32_product_kernel,
 )
-from minimind.decode.int8 import int8_activation_products, quantize_weights_int8
+from minimind.decode.int8 import Int8RowSums, int8_activation_products, int8_activations_dtype, quantize_weights_int8
 from minimind.decode.rows import RowCache, RowDecoder
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
@@ -51,6 +52,7 @@ __all__ = [
     "CompiledStep",
     "Float16RowsProduct",
     "Fp32Products",
+    "Int8RowSums",
     "RowCache",
     "RowDecoder",
     "SixteenBitProducts",
@@ -61,6 +63,7 @@ __all__ = [
     "fp32_product_kernel",
     "grouped_query_sdpa",
     "int8_activation_products",
+    "int8_activations_dtype",
     "quantize_weights_int8",
     "sampling_warpers",
     "widen_products",

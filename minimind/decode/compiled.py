@@ -9,16 +9,16 @@ step is one call of a graph inductor compiled for fixed shapes: input [B, 1], po
 [B, kv_heads, L, head_dim] with L rounded up to `CACHE_BUCKET` so that replies of similar length share it.
 B is the number of prompts, all of one length (a batch needs no padding): a chat reply is B = 1.
 
-Every graph is compiled with inductor's `freezing`: the weights become constants, so inductor can merge the
-projections that read the same input (q/k/v, gate/up) into one matrix product each (`cpp.enable_concat_linear`:
-fewer, larger products) and prepack them for oneDNN's and MKL's kernels. 16-bit and int8 weights also get
-inductor's own C++ matrix-product kernels where its autotuning finds them faster (`max_autotune`, at the price of
-a longer compilation); fp32 picks its product kernel by the number of rows and the CPU's maker (`Fp32Products`:
-on Intel MKL's plain product for one row, oneDNN's packed one from four; on AMD inductor's template for one row,
-oneDNN's beyond). Every graph gets inductor's C++ wrapper, which calls its kernels without a Python frame per op.
-The steps attend through `grouped_query_sdpa`, which reads the KV cache without copying it per query head and
-only as far as it has been written, and after a graph's first call dynamo checks only the guards that tell this
-decoder's graphs apart.
+Every graph but those over `Int8RowSums` is compiled with inductor's `freezing`: the weights become constants, so
+inductor can merge the projections that read the same input (q/k/v, gate/up) into one matrix product each
+(`cpp.enable_concat_linear`: fewer, larger products) and prepack them for oneDNN's and MKL's kernels. 16-bit and
+int8 weights also get inductor's own C++ matrix-product kernels where its autotuning finds them faster
+(`max_autotune`, at the price of a longer compilation); fp32 picks its product kernel by the number of rows and the
+CPU's maker (`Fp32Products`: on Intel MKL's plain product for one row, oneDNN's packed one from four; on AMD
+inductor's template for one row, oneDNN's beyond). Every graph gets inductor's C++ wrapper, which calls its kernels
+without a Python frame per op. The steps attend through `grouped_query_sdpa`, which reads the KV cache without
+copying it per query head and only as far as it has been written, and after a graph's first call dynamo checks only
+the guards that tell this decoder's graphs apart.
 Frozen weights are a snapshot (a loaded one-row step reads the norms and the embedding from the model itself, the
 rest from its own merged copies), so a decoder must be rebuilt after the model is trained further; the saved state
 dict is untouched.
@@ -47,7 +47,7 @@ from transformers.cache_utils import Cache
 from minimind.decode.attention import GROUPED_QUERY_SDPA
 from minimind.decode.fbgemm import float16_rows_products, multiplies_through_fbgemm
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
-from minimind.decode.int8 import int8_activation_products, plain_weights, weight_only_int8_view
+from minimind.decode.int8 import Int8RowSums, int8_activation_products, plain_weights, weight_only_int8_view
 from minimind.decode.memory import lazy_zeros, zero_again
 from minimind.decode.packages import (
     WEIGHTS_APART,
@@ -141,7 +141,9 @@ class CompiledStep:
         else:
             template = fp32_product_kernel(batch) == "template"
         return {
-            "freezing": True,
+            # Int8RowSums' byte extraction reads weights alone, which freezing would fold into float32 copies of
+            # every weight, four times the int8 bytes: those steps keep the words as they are.
+            "freezing": not any(isinstance(module, Int8RowSums) for module in self.model_for(batch).modules()),
             "cpp_wrapper": True,
             "cpp.enable_concat_linear": True,
             "cpp.weight_prepack": True,

@@ -17,15 +17,15 @@ def quantize_weights_int8(model):
     """Weight-only int8 for every projection of the decoder layers and for the LM head, in place: torchao's
     `Int8WeightOnlyConfig` (one scale per output row), the 8-bit decode path. Each decode step then reads half the
     bytes of bf16. The embedding stays 16-bit (a decode step reads one of its rows); a head tied to it gets an int8
-    copy of its own, as llama.cpp's q8_0 files quantize the output matrix too. The model must hold 16-bit weights
-    (the activations' dtype), and is for inference from here on: the checkpoint on disk keeps the original
-    weights. The compiled decoders multiply steps of several rows with int8 activations over these same weights
-    (`int8_activation_products`)."""
+    copy of its own, as llama.cpp's q8_0 files quantize the output matrix too. The model's dtype is the
+    activations' (`int8_activations_dtype` picks it for the CPU), and it is for inference from here on: the
+    checkpoint on disk keeps the original weights. The compiled decoders multiply steps of several rows with int8
+    activations over these same weights (`int8_activation_products`)."""
     dtype = next(model.parameters()).dtype
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in ACTIVATION_DTYPES:
         raise ValueError(
-            f"int8 weights pair with 16-bit activations, but the model holds {dtype}: load it with "
-            "dtype=torch.bfloat16 first"
+            f"int8 weights pair with bfloat16, float16 or float32 activations, but the model holds {dtype}: load "
+            f"it with dtype=torch.{int8_activations_dtype()} first"
         )
     with warnings.catch_warnings():  # torchao's CUDA-only kernels announce their absence on a CPU machine
         warnings.simplefilter("ignore")
@@ -37,6 +37,17 @@ def quantize_weights_int8(model):
             ) from error
         quantize_(model, Int8WeightOnlyConfig())  # every nn.Linear: the layers' projections and the LM head
     return model
+
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def int8_activations_dtype(device: str = "cpu") -> str:
+    """The activations' dtype for int8 weights on `device`: float32 on a CPU without bfloat16 arithmetic, whose
+    one-row steps then multiply as `Int8RowSums` (with bfloat16 activations there every value would be widened
+    twice); bfloat16 elsewhere, as every 16-bit path."""
+    on_cpu = torch.device(device).type == "cpu"
+    return "float32" if on_cpu and cpu_computes_natively(torch.bfloat16) is False else "bfloat16"
 
 
 def plain_weights(model) -> bool:
@@ -69,21 +80,61 @@ class Int8WeightOnlyProduct(torch.nn.Module):
         return out.to(x.dtype)
 
 
+class Int8RowSums(torch.nn.Module):
+    """One of torchao's weight-only int8 linear layers for float32 activations, multiplied as sums that inductor
+    compiles into one loop per layer: each int32 word of `words` holds four int8 values of a row, which the loop
+    sign-extends with shifts and multiplies in float32 (`words` is a copy of the values in that order, the size of
+    the int8 values). The one-row step of a CPU without bfloat16 arithmetic runs these
+    (`weight_only_int8_view`): inductor's product for int8 weights there multiplies one row at the rate of a
+    bfloat16 product, and its own loads of int8 values copy each through a buffer. Results are torchao's up to the
+    order of float32 additions."""
+
+    def __init__(self, weight, bias=None):
+        super().__init__()
+        out_features, in_features = weight.qdata.shape
+        quarter = in_features // 4
+        # word j of a row holds its values j, j + quarter, j + 2 quarter and j + 3 quarter, lowest byte first, so
+        # that each of the four pairs with a contiguous quarter of the activations
+        words = weight.qdata.view(out_features, 4, quarter).transpose(1, 2).contiguous()
+        self.register_buffer("words", words.view(torch.int32).view(out_features, quarter))  # [out, in / 4]
+        self.register_buffer("scale", weight.scale.reshape(-1).float())  # [out]
+        self.bias = bias
+
+    def forward(self, x):  # [..., in]
+        quarters = x.reshape(-1, 1, 4, self.words.shape[-1]).float()  # [M, 1, 4, in / 4]
+        out = None
+        for byte in range(4):  # the byte's value: its word shifted to the top, then back with its sign
+            values = ((self.words << (24 - 8 * byte)) >> 24).float()  # [out, in / 4]
+            term = quarters[:, :, byte] * values  # [M, out, in / 4]
+            out = term if out is None else out + term
+        out = out.sum(-1) * self.scale  # [M, out]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 def weight_only_int8_view(model):
-    """`model` with every int8 weight of `quantize_weights_int8` seen over plain tensors (`Int8WeightOnlyProduct`):
-    what the compiled one-row steps run and export. A copy of the modules only: the int8 values, their scales and
-    every other tensor are the model's own. None where the model holds other tensor subclasses (int8 activations,
-    scales per group of columns, a scale applied to the activations first), which the view would not multiply as
-    torchao does."""
+    """`model` with every int8 weight of `quantize_weights_int8` seen over plain tensors: what the compiled one-row
+    steps run and export. float32 activations multiply as `Int8RowSums`, 16-bit ones as `Int8WeightOnlyProduct`. A
+    copy of the modules only: the int8 values (but `Int8RowSums`' words), their scales and every other tensor are
+    the model's own. None where the model holds other tensor subclasses (int8 activations, scales per group of
+    columns, a scale applied to the activations first), which the view would not multiply as torchao does."""
     if plain_weights(model):
         return None
     from torchao.quantization import Int8Tensor
 
+    layers = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), Int8Tensor)
+    ]
+    sums = next(model.parameters()).dtype == torch.float32 and all(
+        module.weight.qdata.shape[-1] % 4 == 0 for _, module in layers
+    )
+    product = Int8RowSums if sums else Int8WeightOnlyProduct
     view = modules_copied(model)
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, Int8Tensor):
-            continue
+    for name, module in layers:
+        weight = module.weight
         if (
             not isinstance(module, torch.nn.Linear)
             or weight.act_quant_kwargs is not None
@@ -92,7 +143,7 @@ def weight_only_int8_view(model):
         ):
             return None
         parent, _, child = name.rpartition(".")
-        setattr(view.get_submodule(parent), child, Int8WeightOnlyProduct(weight, module.bias))
+        setattr(view.get_submodule(parent), child, product(weight, module.bias))
     return view if plain_weights(view) else None
 
 

@@ -159,7 +159,16 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
 
 
 @pytest.mark.parametrize(
-    "weights", ["fp32", "bf16", "bf16 without AMX", "bf16 under AVX2", "int8", "int8 without dot products"]
+    "weights",
+    [
+        "fp32",
+        "bf16",
+        "bf16 without AMX",
+        "bf16 under AVX2",
+        "int8",
+        "int8 without dot products",
+        "int8 over float32 activations",
+    ],
 )
 def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     """The note of a full run's compiled decode row, read off the decoder's own settings (nothing is compiled
@@ -169,9 +178,13 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
 
     if weights.startswith("int8") and int8_missing():
         pytest.skip(int8_missing())
-    if weights in ("int8 without dot products", "bf16 under AVX2") and not fbgemm.fbgemm_products():
+    if weights in ("int8 without dot products", "int8 over float32 activations", "bf16 under AVX2") and not (
+        fbgemm.fbgemm_products()
+    ):
         pytest.skip("this torch has no fbgemm (x86 builds only)")
-    if weights == "int8 without dot products":
+    # a CPU without bfloat16 arithmetic or 8-bit dot products, where int8 weights take float32 activations
+    sums = weights == "int8 over float32 activations"
+    if weights in ("int8 without dot products", "int8 over float32 activations"):
         weights = "int8"
         monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: False)
     else:
@@ -186,7 +199,7 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     monkeypatch.setattr(fbgemm, "torch_kernels_avx512", lambda: not avx2)
     seven_bit = int8.cpu_computes_natively(torch.int8) is False
     model = tiny_model(std=0.3)
-    if weights != "fp32":
+    if weights != "fp32" and not sums:
         model = model.to(torch.bfloat16)
     if weights == "int8":
         quantize_weights_int8(model)
@@ -194,7 +207,10 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     for rows in (ids, ids.repeat(PEER_BATCH, 1)):
         _, describe = _compiled_decode(model, rows, 4, weights)
         plain = _minimind_greedy(model, rows, 4)
-        if weights == "fp32":
+        frozen = "with freezing, merged projections"
+        if sums and rows.shape[0] == 1:
+            products, frozen = "int8 values widened in float32 sums, four to a word", "without freezing"
+        elif weights == "fp32":
             kernel = fp32_product_kernel(rows.shape[0])
             products = FP32_PRODUCTS[kernel] + (TIED_HEAD_SUMS if kernel == "template" else "")
         elif avx2 and rows.shape[0] > 1:
@@ -210,7 +226,7 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
         # a prompt multiplies through fbgemm where steps of several rows do
         prompt = "; the prompt's products through fbgemm" if avx2 or (weights == "int8" and seven_bit) else ""
         assert describe(plain) == (
-            f"CompiledDecoder: static cache, torch.compile with freezing, merged projections, "
+            f"CompiledDecoder: static cache, torch.compile {frozen}, "
             f"{products}, grouped-query attention over the written cache, compiled in 0 s{prompt}; "
             f"greedy tokens = plain {weights} generate: {4 * rows.shape[0]} / {4 * rows.shape[0]}"
         )

@@ -557,19 +557,28 @@ def test_int8_one_row_steps_are_packaged_over_the_int8_values(compile_cache, mon
     assert entry_of(CompiledDecoder(model)) != before
 
 
+def int8_view_layers(dtype, kind):
+    """The tiny model with int8 weights over `dtype` activations, its `weight_only_int8_view` (plain tensors only)
+    and the view's layers by name, every projection and the head one of `kind`."""
+    from minimind.decode import quantize_weights_int8
+    from minimind.decode.int8 import plain_weights, weight_only_int8_view
+
+    model = quantize_weights_int8(tiny_model(std=0.3).to(dtype))
+    view = weight_only_int8_view(model)
+    assert plain_weights(view)
+    layers = {name: module for name, module in view.named_modules() if isinstance(module, kind)}
+    assert len(layers) == 7 * model.config.num_hidden_layers + 1
+    return model, view, layers
+
+
 def test_int8_weights_seen_over_plain_tensors_multiply_as_torchao():
     """`weight_only_int8_view`: every int8 linear layer over the same int8 values and scales (no copy), the logits
     exactly torchao's; none for a model without int8 weights or with int8 activations, which it would multiply
     otherwise."""
     pytest.importorskip("torchao")
-    from minimind.decode import quantize_weights_int8
-    from minimind.decode.int8 import Int8WeightOnlyProduct, plain_weights, weight_only_int8_view
+    from minimind.decode.int8 import Int8WeightOnlyProduct, weight_only_int8_view
 
-    model = quantize_weights_int8(tiny_model(std=0.3).to(torch.bfloat16))
-    view = weight_only_int8_view(model)
-    assert plain_weights(view)
-    layers = {name: module for name, module in view.named_modules() if isinstance(module, Int8WeightOnlyProduct)}
-    assert len(layers) == 7 * model.config.num_hidden_layers + 1
+    model, view, layers = int8_view_layers(torch.bfloat16, Int8WeightOnlyProduct)
     for name, layer in layers.items():
         weight = model.get_submodule(name).weight
         assert layer.qdata.data_ptr() == weight.qdata.data_ptr() and layer.scale.data_ptr() == weight.scale.data_ptr()
@@ -593,6 +602,77 @@ def test_int8_weights_seen_over_plain_tensors_multiply_as_torchao():
         requires_grad=False,
     )
     assert weight_only_int8_view(model) is None
+
+
+def test_int8_rows_of_float32_activations_multiply_as_sums_over_words():
+    """With float32 activations `weight_only_int8_view` multiplies as `Int8RowSums`: word j of a row holds its int8
+    values j, j + in/4, j + in/2 and j + 3 in/4, lowest byte first; the scales are torchao's own tensors; the logits
+    of one row and of several are torchao's up to the order of float32 additions."""
+    pytest.importorskip("torchao")
+    from minimind.decode import Int8RowSums
+
+    model, view, layers = int8_view_layers(torch.float32, Int8RowSums)
+    for name, layer in layers.items():
+        weight = model.get_submodule(name).weight
+        out_features, quarter = layer.words.shape
+        assert layer.words.dtype == torch.int32 and (out_features, 4 * quarter) == tuple(weight.qdata.shape)
+        values = layer.words.view(torch.int8).view(out_features, quarter, 4)  # x86: the lowest byte first
+        assert torch.equal(values.transpose(1, 2).reshape(out_features, -1), weight.qdata)
+        assert layer.scale.data_ptr() == weight.scale.data_ptr()
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rows in (ids[:1, :1], ids):
+            torch.testing.assert_close(view(rows).logits, model(rows).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_int8_one_row_steps_of_float32_activations_keep_the_words(compile_cache, monkeypatch):
+    """The one-row step over `Int8RowSums` is compiled without freezing, which would fold the words' bytes into
+    float32 copies of every weight: the packaged graph has no product kernel, a later decoder loads every weight
+    of the package as the model's own tensors (nothing folded is read from the archive), and both decode the eager
+    step's tokens."""
+    pytest.importorskip("torchao")
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    from minimind.decode import Int8RowSums, packages, quantize_weights_int8
+
+    model = quantize_weights_int8(tiny_model(std=0.3))
+    decoder = CompiledDecoder(model)
+    assert decoder.backend == "aoti" and decoder.inductor_settings(1)["freezing"] is False
+    targets = []
+
+    class Record(CustomGraphPass):
+        def __call__(self, graph):
+            targets.extend(str(node.target) for node in graph.nodes)
+
+        def uuid(self):
+            return get_hash_for_files((__file__,))
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=Record(), fx_graph_cache=False):
+        out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
+    assert decoder.packages.built == 1 and any("rshift" in target for target in targets)
+    assert not [target for target in targets if any(kind in target for kind in ("mm", "linear", "woq_int8"))]
+    eager = CompiledDecoder(model, compile=False)
+    assert torch.equal(eager.generate(PROMPT, max_new_tokens=12, **greedy()), out)
+
+    loaded = []
+    weights_apart = packages._weights_apart
+
+    def recorded(path, own):
+        weights = weights_apart(path, own)
+        loaded.append((weights, {tensor.data_ptr() for tensor in own.values()}))
+        return weights
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+        patch.setattr(torch.export, "export", no_compiling)
+        patch.setattr(packages, "_weights_apart", recorded)
+        later = CompiledDecoder(model)
+        assert torch.equal(later.generate(PROMPT, max_new_tokens=12, **greedy()), out)
+        assert (later.packages.built, later.packages.loaded) == (0, 1)
+    [(weights, own)] = loaded
+    words = {layer.words.data_ptr() for layer in later.plain_model.modules() if isinstance(layer, Int8RowSums)}
+    assert weights and {tensor.data_ptr() for tensor in weights.values()} <= own and words <= own
 
 
 def test_package_entries_name_everything_the_step_depends_on(model, monkeypatch):

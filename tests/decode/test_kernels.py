@@ -704,16 +704,19 @@ def test_int8_quantizes_every_projection_per_row():
     assert embed.dtype == torch.bfloat16 and type(embed) is torch.nn.Parameter and torch.equal(embed, embedding)
 
 
-def test_int8_refuses_fp32_and_needs_torchao(monkeypatch):
-    """int8 weights refuse fp32, and name torchao when it is missing."""
-    from minimind.decode import quantize_weights_int8
+def test_int8_refuses_float64_and_needs_torchao(monkeypatch):
+    """int8 weights refuse activations other than bfloat16, float16 and float32 (naming the dtype this CPU's int8
+    path takes), and name torchao when it is missing."""
+    from minimind.decode import int8, quantize_weights_int8
 
-    with pytest.raises(
-        ValueError,
-        match=r"int8 weights pair with 16-bit activations, but the model holds "
-        r"torch.float32: load it with dtype=torch.bfloat16 first",
-    ):
-        quantize_weights_int8(tiny_model())
+    for arithmetic, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(int8, "cpu_computes_natively", lambda _, arithmetic=arithmetic: arithmetic)
+        with pytest.raises(
+            ValueError,
+            match=r"int8 weights pair with bfloat16, float16 or float32 activations, but the model holds "
+            rf"torch.float64: load it with dtype=torch.{dtype} first",
+        ):
+            quantize_weights_int8(tiny_model().double())
     monkeypatch.setitem(__import__("sys").modules, "torchao.quantization", None)
     with pytest.raises(
         ImportError,

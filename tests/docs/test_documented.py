@@ -118,16 +118,28 @@ def test_chat_no_compile_uses_same_generate_args(chat_dir, monkeypatch, capsys):
     assert torch.equal(default[0][3], plain[0][3])  # the same greedy reply
 
 
-def test_chat_int8_loads_int8_weights_in_bf16(chat_dir, monkeypatch, capsys):
-    """--int8 loads int8 decoder weights and LM head, the embedding in bfloat16."""
+@pytest.mark.parametrize("bfloat16_arithmetic", [True, False])
+def test_chat_int8_loads_int8_weights_the_rest_as_the_cpu_computes(chat_dir, monkeypatch, capsys, bfloat16_arithmetic):
+    """--int8 loads int8 decoder weights and LM head, the embedding in bfloat16, or in float32 on a CPU without
+    bfloat16 arithmetic, and says which."""
     pytest.importorskip("torchao")
+    from minimind.decode import int8
+
+    monkeypatch.setattr(int8, "cpu_computes_natively", lambda dtype: bfloat16_arithmetic)
     argv = ["--model_name_or_path", chat_dir, "--no-do_sample", "--max_new_tokens", "4", "--int8", "--no-compile"]
     _, [(model, _, _, reply)] = _run_chat(monkeypatch, capsys, argv, ["Hello"])
-    assert model.dtype == torch.bfloat16 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    dtype = torch.bfloat16 if bfloat16_arithmetic else torch.float32
+    assert model.dtype == dtype and model.model.embed_tokens.weight.dtype == dtype
     projections = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the LM head's too
     assert len(projections) == 7 * model.config.num_hidden_layers + 1
     assert all(w.qdata.dtype == torch.int8 for w in projections)
     assert reply.shape[1] > 0
+    expected = (
+        "precision: int8 decoder weights, the rest in bfloat16"
+        if bfloat16_arithmetic
+        else "precision: int8 decoder weights, the rest in float32 (this CPU has no bfloat16 arithmetic)"
+    )
+    assert expected in _run_chat.err.splitlines()
 
 
 def test_chat_dtype_auto_loads_the_picked_precision_and_says_so(chat_dir, monkeypatch, capsys):
