@@ -5,6 +5,7 @@ commands (`quantize_weights_int8`), and the same weights seen with int8 activati
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import torch
@@ -115,10 +116,11 @@ class Int8RowSums(torch.nn.Module):
 
 def weight_only_int8_view(model):
     """`model` with every int8 weight of `quantize_weights_int8` seen over plain tensors: what the compiled one-row
-    steps run and export. float32 activations multiply as `Int8RowSums`, 16-bit ones as `Int8WeightOnlyProduct`. A
-    copy of the modules only: the int8 values (but `Int8RowSums`' words), their scales and every other tensor are
-    the model's own. None where the model holds other tensor subclasses (int8 activations, scales per group of
-    columns, a scale applied to the activations first), which the view would not multiply as torchao does."""
+    steps run and export. float32 activations multiply as `Int8RowSums` (on a little-endian machine, every layer's
+    input a multiple of 4 wide), others as `Int8WeightOnlyProduct`. A copy of the modules only: the int8 values
+    (but `Int8RowSums`' words), their scales and every other tensor are the model's own. None where the model holds
+    other tensor subclasses (int8 activations, scales per group of columns, a scale applied to the activations
+    first), which the view would not multiply as torchao does."""
     if plain_weights(model):
         return None
     from torchao.quantization import Int8Tensor
@@ -128,8 +130,11 @@ def weight_only_int8_view(model):
         for name, module in model.named_modules()
         if isinstance(getattr(module, "weight", None), Int8Tensor)
     ]
-    sums = next(model.parameters()).dtype == torch.float32 and all(
-        module.weight.qdata.shape[-1] % 4 == 0 for _, module in layers
+    # the words' byte order is the shifts' (the lowest byte first) on a little-endian machine only
+    sums = (
+        next(model.parameters()).dtype == torch.float32
+        and sys.byteorder == "little"
+        and all(module.weight.qdata.shape[-1] % 4 == 0 for _, module in layers)
     )
     product = Int8RowSums if sums else Int8WeightOnlyProduct
     view = modules_copied(model)
