@@ -140,10 +140,13 @@ class CompiledStep:
             )
         else:
             template = fp32_product_kernel(batch) == "template"
+        sums = any(isinstance(module, Int8RowSums) for module in self.model_for(batch).modules())
         return {
             # Int8RowSums' byte extraction reads weights alone, which freezing would fold into float32 copies of
-            # every weight, four times the int8 bytes: those steps keep the words as they are.
-            "freezing": not any(isinstance(module, Int8RowSums) for module in self.model_for(batch).modules()),
+            # every weight, four times the int8 bytes: those steps keep the words as they are. Their loops are
+            # bound by arithmetic, not by the bytes read, so each multiply and add is fused into one instruction.
+            "freezing": not sums,
+            **({"cpp.enable_floating_point_contract_flag": "fast"} if sums else {}),
             "cpp_wrapper": True,
             "cpp.enable_concat_linear": True,
             "cpp.weight_prepack": True,

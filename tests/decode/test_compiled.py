@@ -628,9 +628,9 @@ def test_int8_rows_of_float32_activations_multiply_as_sums_over_words():
 @pytest.mark.slow
 def test_int8_one_row_steps_of_float32_activations_keep_the_words(compile_cache, monkeypatch):
     """The one-row step over `Int8RowSums` is compiled without freezing, which would fold the words' bytes into
-    float32 copies of every weight: the packaged graph has no product kernel, a later decoder loads every weight
-    of the package as the model's own tensors (nothing folded is read from the archive), and both decode the eager
-    step's tokens."""
+    float32 copies of every weight, and with multiply-adds fused: the packaged graph has no product kernel, a later
+    decoder loads every weight of the package as the model's own tensors (nothing folded is read from the archive),
+    and both decode the eager step's tokens."""
     pytest.importorskip("torchao")
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -638,7 +638,9 @@ def test_int8_one_row_steps_of_float32_activations_keep_the_words(compile_cache,
 
     model = quantize_weights_int8(tiny_model(std=0.3))
     decoder = CompiledDecoder(model)
-    assert decoder.backend == "aoti" and decoder.inductor_settings(1)["freezing"] is False
+    settings = decoder.inductor_settings(1)
+    assert decoder.backend == "aoti" and settings["freezing"] is False
+    assert settings["cpp.enable_floating_point_contract_flag"] == "fast"  # fused multiply-adds in its loops
     targets = []
 
     class Record(CustomGraphPass):
