@@ -17,8 +17,8 @@ from minimind.hardware import cpu_computes_natively
 def quantize_weights_int8(model):
     """Weight-only int8 for every projection of the decoder layers and for the LM head, in place: torchao's
     `Int8WeightOnlyConfig` (one scale per output row), the 8-bit decode path. Each decode step then reads half the
-    bytes of bf16. The embedding stays 16-bit (a decode step reads one of its rows); a head tied to it gets an int8
-    copy of its own, as llama.cpp's q8_0 files quantize the output matrix too. The model's dtype is the
+    bytes of bf16. The embedding keeps the model's dtype (a decode step reads one of its rows); a head tied to it
+    gets an int8 copy of its own, as llama.cpp's q8_0 files quantize the output matrix too. The model's dtype is the
     activations' (`int8_activations_dtype` picks it for the CPU), and it is for inference from here on: the
     checkpoint on disk keeps the original weights. The compiled decoders multiply steps of several rows with int8
     activations over these same weights (`int8_activation_products`)."""
