@@ -136,19 +136,19 @@ def weight_only_int8_view(model):
         and sys.byteorder == "little"
         and all(module.weight.qdata.shape[-1] % 4 == 0 for _, module in layers)
     )
+    if any(
+        not isinstance(module, torch.nn.Linear)
+        or module.weight.act_quant_kwargs is not None
+        or getattr(module.weight, "act_pre_scale", None) is not None
+        or tuple(module.weight.block_size) != (1, module.weight.qdata.shape[-1])
+        for _, module in layers
+    ):
+        return None  # before any layer is built: `Int8RowSums` copies its values
     product = Int8RowSums if sums else Int8WeightOnlyProduct
     view = modules_copied(model)
     for name, module in layers:
-        weight = module.weight
-        if (
-            not isinstance(module, torch.nn.Linear)
-            or weight.act_quant_kwargs is not None
-            or getattr(weight, "act_pre_scale", None) is not None
-            or tuple(weight.block_size) != (1, weight.qdata.shape[-1])
-        ):
-            return None
         parent, _, child = name.rpartition(".")
-        setattr(view.get_submodule(parent), child, product(weight, module.bias))
+        setattr(view.get_submodule(parent), child, product(module.weight, module.bias))
     return view if plain_weights(view) else None
 
 
