@@ -144,9 +144,11 @@ class CompiledStep:
         return {
             # Int8RowSums' byte extraction reads weights alone, which freezing would fold into float32 copies of
             # every weight, four times the int8 bytes: those steps keep the words as they are. Their loops are
-            # bound by arithmetic, not by the bytes read, so each multiply and add is fused into one instruction.
+            # bound by arithmetic, not by the bytes read, so each multiply and add is fused into one instruction,
+            # and activations that several layers read (a norm's output, read by q, k and v) are computed once into
+            # memory: inlined, each layer's loop recomputes them for every row of its weight.
             "freezing": not sums,
-            **({"cpp.enable_floating_point_contract_flag": "fast"} if sums else {}),
+            **({"cpp.enable_floating_point_contract_flag": "fast", "realize_reads_threshold": 1} if sums else {}),
             "cpp_wrapper": True,
             "cpp.enable_concat_linear": True,
             "cpp.weight_prepack": True,

@@ -81,11 +81,20 @@ class Int8WeightOnlyProduct(torch.nn.Module):
         return out.to(x.dtype)
 
 
+# Int8RowSums reads byte b of a word in place, masked off the others: its value times 256^b, which float32 holds
+# exactly, against activations scaled by 256^-b (a power of two, exact too). PyTorch's CPU vectors shift by a count
+# per lane, slower than a mask, so no byte is shifted. A mask extends no sign: the three lower bytes are stored with
+# 128 added (0..255) and 128 times their activations' sum is taken off after; the top byte's mask keeps the word's
+# sign bit, so it is stored as it is.
+BYTE_MASKS = (0xFF, 0xFF00, 0xFF0000, -(1 << 24))  # the last is 0xFF000000 as a signed int32
+BYTE_OFFSETS = (128, 128, 128, 0)
+
+
 class Int8RowSums(torch.nn.Module):
     """One of torchao's weight-only int8 linear layers for float32 activations, multiplied as sums that inductor
     compiles into one loop per layer: each int32 word of `words` holds four int8 values of a row, which the loop
-    sign-extends with shifts and multiplies in float32 (`words` is a copy of the values in that order, the size of
-    the int8 values). The one-row step of a CPU without bfloat16 arithmetic runs these
+    masks out of it in place (`BYTE_MASKS`) and multiplies in float32 (`words` is a copy of the values in that
+    order, the size of the int8 values). The one-row step of a CPU without bfloat16 arithmetic runs these
     (`weight_only_int8_view`): inductor's product for int8 weights there multiplies one row at the rate of a
     bfloat16 product, and its own loads of int8 values copy each through a buffer. Results are torchao's up to the
     order of float32 additions."""
@@ -95,8 +104,10 @@ class Int8RowSums(torch.nn.Module):
         out_features, in_features = weight.qdata.shape
         quarter = in_features // 4
         # word j of a row holds its values j, j + quarter, j + 2 quarter and j + 3 quarter, lowest byte first, so
-        # that each of the four pairs with a contiguous quarter of the activations
-        words = weight.qdata.view(out_features, 4, quarter).transpose(1, 2).contiguous()
+        # that each of the four pairs with a contiguous quarter of the activations; `^ 128` adds 128 to an int8
+        # value seen as a byte
+        values = weight.qdata.view(out_features, 4, quarter).transpose(1, 2).view(torch.uint8)  # [out, in / 4, 4]
+        words = (values ^ torch.tensor(BYTE_OFFSETS, dtype=torch.uint8)).contiguous()
         self.register_buffer("words", words.view(torch.int32).view(out_features, quarter))  # [out, in / 4]
         self.register_buffer("scale", weight.scale.reshape(-1).float())  # [out]
         self.bias = bias
@@ -104,11 +115,12 @@ class Int8RowSums(torch.nn.Module):
     def forward(self, x):  # [..., in]
         quarters = x.reshape(-1, 1, 4, self.words.shape[-1]).float()  # [M, 1, 4, in / 4]
         out = None
-        for byte in range(4):  # the byte's value: its word shifted to the top, then back with its sign
-            values = ((self.words << (24 - 8 * byte)) >> 24).float()  # [out, in / 4]
-            term = quarters[:, :, byte] * values  # [M, out, in / 4]
+        for byte, mask in enumerate(BYTE_MASKS):
+            values = (self.words & mask).float()  # [out, in / 4]: (value + offset) * 256^byte
+            term = quarters[:, :, byte] * 2.0 ** (-8 * byte) * values  # [M, out, in / 4]
             out = term if out is None else out + term
-        out = out.sum(-1) * self.scale  # [M, out]
+        offsets = sum(offset * quarters[:, 0, byte].sum(-1) for byte, offset in enumerate(BYTE_OFFSETS) if offset)
+        out = (out.sum(-1) - offsets[:, None]) * self.scale  # [M, out]
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -130,7 +142,7 @@ def weight_only_int8_view(model):
         for name, module in model.named_modules()
         if isinstance(getattr(module, "weight", None), Int8Tensor)
     ]
-    # the words' byte order is the shifts' (the lowest byte first) on a little-endian machine only
+    # the words' byte order is the masks' (the lowest byte first) on a little-endian machine only
     sums = (
         next(model.parameters()).dtype == torch.float32
         and sys.byteorder == "little"

@@ -606,8 +606,9 @@ def test_int8_weights_seen_over_plain_tensors_multiply_as_torchao():
 
 def test_int8_rows_of_float32_activations_multiply_as_sums_over_words():
     """With float32 activations `weight_only_int8_view` multiplies as `Int8RowSums`: word j of a row holds its int8
-    values j, j + in/4, j + in/2 and j + 3 in/4, lowest byte first; the scales are torchao's own tensors; the logits
-    of one row and of several are torchao's up to the order of float32 additions."""
+    values j, j + in/4, j + in/2 and j + 3 in/4, lowest byte first, the three lower ones plus 128 (0..255 as a mask
+    reads them); the scales are torchao's own tensors; the logits of one row and of several are torchao's up to the
+    order of float32 additions."""
     pytest.importorskip("torchao")
     from minimind.decode import Int8RowSums
 
@@ -616,8 +617,10 @@ def test_int8_rows_of_float32_activations_multiply_as_sums_over_words():
         weight = model.get_submodule(name).weight
         out_features, quarter = layer.words.shape
         assert layer.words.dtype == torch.int32 and (out_features, 4 * quarter) == tuple(weight.qdata.shape)
-        values = layer.words.view(torch.int8).view(out_features, quarter, 4)  # x86: the lowest byte first
+        stored = layer.words.view(torch.uint8).view(out_features, quarter, 4)  # the lowest byte first
+        values = (stored ^ torch.tensor([128, 128, 128, 0], dtype=torch.uint8)).view(torch.int8)
         assert torch.equal(values.transpose(1, 2).reshape(out_features, -1), weight.qdata)
+        assert torch.equal(stored[..., :3].to(torch.int16) - 128, values[..., :3].to(torch.int16))
         assert layer.scale.data_ptr() == weight.scale.data_ptr()
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -628,7 +631,8 @@ def test_int8_rows_of_float32_activations_multiply_as_sums_over_words():
 @pytest.mark.slow
 def test_int8_one_row_steps_of_float32_activations_keep_the_words(compile_cache, monkeypatch):
     """The one-row step over `Int8RowSums` is compiled without freezing, which would fold the words' bytes into
-    float32 copies of every weight, and with multiply-adds fused: the packaged graph has no product kernel, a later
+    float32 copies of every weight, with multiply-adds fused and shared activations computed once: the packaged
+    graph masks the words' bytes and has no product kernel, a later
     decoder loads every weight of the package as the model's own tensors (nothing folded is read from the archive),
     and both decode the eager step's tokens."""
     pytest.importorskip("torchao")
@@ -641,6 +645,7 @@ def test_int8_one_row_steps_of_float32_activations_keep_the_words(compile_cache,
     settings = decoder.inductor_settings(1)
     assert decoder.backend == "aoti" and settings["freezing"] is False
     assert settings["cpp.enable_floating_point_contract_flag"] == "fast"  # fused multiply-adds in its loops
+    assert settings["realize_reads_threshold"] == 1  # shared activations computed once, not in every loop
     targets = []
 
     class Record(CustomGraphPass):
@@ -652,7 +657,7 @@ def test_int8_one_row_steps_of_float32_activations_keep_the_words(compile_cache,
 
     with torch._inductor.config.patch(post_grad_custom_post_pass=Record(), fx_graph_cache=False):
         out = decoder.generate(PROMPT, max_new_tokens=12, **greedy())
-    assert decoder.packages.built == 1 and any("rshift" in target for target in targets)
+    assert decoder.packages.built == 1 and any("bitwise_and" in target for target in targets)
     assert not [target for target in targets if any(kind in target for kind in ("mm", "linear", "woq_int8"))]
     eager = CompiledDecoder(model, compile=False)
     assert torch.equal(eager.generate(PROMPT, max_new_tokens=12, **greedy()), out)
