@@ -22,10 +22,12 @@ AVX512_KERNELS = torch_kernels_avx512()
 
 def fp32_product_kernel(rows: int, intel: bool = INTEL_CPU, avx512: bool = AVX512_KERNELS) -> str:
     """The kernel a compiled fp32 step multiplies `rows` rows by a frozen weight with (`Fp32Products`)."""
-    if rows == 1:
-        return "plain" if intel else "template"
+    if rows == 1 and intel:
+        return "plain"
     if not avx512:
         return "sums"
+    if rows == 1:
+        return "template"
     return "mkl" if intel and rows < ONEDNN_MIN_ROWS else "onednn"
 
 
@@ -43,7 +45,8 @@ class Fp32Products(CustomGraphPass):
     On an AMD EPYC (Zen 4), where MKL runs slow:
     - one row: inductor's own C++ GEMM template, which the packed node lowers to when it is the only choice
       (`inductor_settings`), ahead of MKL's plain product and oneDNN's packed one; a tied LM head as sums over
-      blocks of the embedding's own rows (`blocked_sums`), as fast, where the template would pack a copy of them;
+      blocks of the embedding's own rows (`blocked_sums`), as fast, where the template would pack a copy of them.
+      Where torch's kernels stop at AVX2, blocked sums for one row too, ahead of the template there;
     - two rows or more: oneDNN's packed product, ahead of MKL's packed one and of autotuning between the template
       and MKL's packed product.
     Packing cannot simply be switched off per graph: inductor registers its packing patterns once per process, at

@@ -159,12 +159,13 @@ def test_16_bit_products_become_blocked_sums(dtype, shape):
 
 
 def test_fp32_products_of_several_rows_become_blocked_sums():
-    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2): every
-    product of a two-product chain is gone, both weights are cut into blocks, and the result is the product's to
-    fp32 rounding, the second product reading the first's sums as they are laid out; one row keeps its kernel."""
+    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2, one row too
+    on AMD): every product of a two-product chain is gone, both weights are cut into blocks, and the result is the
+    product's to fp32 rounding, the second product reading the first's sums as they are laid out; one row on Intel
+    keeps its kernel."""
     torch.manual_seed(0)
     chain = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(40, 16, bias=False)).eval()
-    for shape in ((4, 48), (4, 1, 48), (1, 48)):
+    for shape, intel in (((4, 48), True), ((4, 1, 48), False), ((1, 48), True), ((1, 48), False)):
         x = torch.randn(*shape)
         record = RecordGraph()
         torch._dynamo.reset()
@@ -180,14 +181,18 @@ def test_fp32_products_of_several_rows_become_blocked_sums():
             torch._inductor.config.patch(settings),
             pytest.MonkeyPatch.context() as patch,
         ):
-            patch.setattr(fp32_products, "fp32_product_kernel", lambda rows: fp32_product_kernel(rows, avx512=False))
+            patch.setattr(
+                fp32_products,
+                "fp32_product_kernel",
+                lambda rows, intel=intel: fp32_product_kernel(rows, intel=intel, avx512=False),
+            )
             out = torch.compile(chain, fullgraph=True)(x)
             exact = chain.double()(x.double())
             chain.float()
         [graph] = record.graphs
         calls = [entry[0] for entry in graph if entry[0] != "constant"]
         products = [target for target in calls if "mm" in target or "linear" in target]
-        if shape == (1, 48):
+        if shape == (1, 48) and intel:
             assert products and "aten.sum.dim_IntList" not in calls
             continue
         assert products == [] and calls.count("aten.sum.dim_IntList") == 16
@@ -212,7 +217,7 @@ class TiedHead(torch.nn.Module):
 @pytest.mark.parametrize(
     ("dtype", "rows", "kernels", "head_only"),
     [
-        (torch.float32, 1, {"intel": False}, False),
+        (torch.float32, 1, {"intel": False, "avx512": True}, False),
         (torch.float32, 4, {"avx512": False}, False),
         (torch.bfloat16, 1, {}, False),
         (torch.bfloat16, 4, {}, False),
@@ -329,6 +334,8 @@ def test_step_merges_projections():
     import gc
     import weakref
 
+    if fp32_product_kernel(1) == "sums":
+        pytest.skip("one fp32 row multiplies as blocked sums on this CPU: no matrix product left to count")
     model = tiny_model(std=0.3)
     layers = model.config.num_hidden_layers
     head = int(fp32_product_kernel(1) != "template")
@@ -353,11 +360,12 @@ def test_step_merges_projections():
 def test_fp32_products_take_fastest_kernel():
     """fp32 products take the kernel measured fastest for their row count on each CPU maker."""
     rows = (1, 2, 3, 4, 8, 16)
-    assert [fp32_product_kernel(n, intel=True) for n in rows] == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
-    assert [fp32_product_kernel(n, intel=False) for n in rows] == ["template"] + ["onednn"] * 5
-    # where torch's kernels stop at AVX2, several rows multiply as blocked sums for either maker
+    intel = [fp32_product_kernel(n, intel=True, avx512=True) for n in rows]
+    assert intel == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
+    assert [fp32_product_kernel(n, intel=False, avx512=True) for n in rows] == ["template"] + ["onednn"] * 5
+    # where torch's kernels stop at AVX2, several rows multiply as blocked sums for either maker, one row too on AMD
     assert [fp32_product_kernel(n, intel=True, avx512=False) for n in rows] == ["plain"] + ["sums"] * 5
-    assert [fp32_product_kernel(n, intel=False, avx512=False) for n in rows] == ["template"] + ["sums"] * 5
+    assert [fp32_product_kernel(n, intel=False, avx512=False) for n in rows] == ["sums"] * 6
     assert fp32_products.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
     assert fp32_products.AVX512_KERNELS == torch_kernels_avx512()
 
@@ -453,11 +461,13 @@ def test_fp32_step_kernels_on_amd(model, monkeypatch):
 
 
 @pytest.mark.slow
-def test_fp32_step_kernels_without_avx512(model, monkeypatch):
-    """The table where torch's kernels stop at AVX2: one row keeps the maker's kernel (Intel's plain product), two
-    rows multiply as blocked sums, not one product left in the step. Tokens are generate's either way."""
-    _, _, (single, pair), _ = fp32_products_of_steps(model, monkeypatch, True, BATCH[:2], avx512=False)
-    assert single == ["aten.mm.default"] * (4 * model.config.num_hidden_layers + 1)
+@pytest.mark.parametrize("intel", [True, False], ids=["intel", "amd"])
+def test_fp32_step_kernels_without_avx512(model, monkeypatch, intel):
+    """The table where torch's kernels stop at AVX2: two rows multiply as blocked sums, not one product left in the
+    step; one row keeps Intel's plain product and on AMD multiplies as blocked sums too. Tokens are generate's
+    either way."""
+    _, _, (single, pair), _ = fp32_products_of_steps(model, monkeypatch, intel, BATCH[:2], avx512=False)
+    assert single == (["aten.mm.default"] * (4 * model.config.num_hidden_layers + 1) if intel else [])
     assert pair == []
 
 
@@ -488,7 +498,7 @@ def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_
     import math
     import zipfile
 
-    use_fp32_table(monkeypatch, intel=intel)
+    use_fp32_table(monkeypatch, intel=intel, avx512=True)
     decoder, out, (single,) = packaged_steps(model, monkeypatch, tmp_path, PROMPT)
     assert torch.equal(out, reference(model, 6, **greedy()))
     assert (decoder.packages.built, decoder.packages.loaded) == (1, 0)
