@@ -94,10 +94,10 @@ class Int8RowSums(torch.nn.Module):
     """One of torchao's weight-only int8 linear layers for float32 activations, multiplied as sums that inductor
     compiles into one loop per layer: each int32 word of `words` holds four int8 values of a row, which the loop
     masks out of it in place (`BYTE_MASKS`) and multiplies in float32 (`words` is a copy of the values in that
-    order, the size of the int8 values). The one-row step of a CPU without bfloat16 arithmetic runs these
-    (`weight_only_int8_view`): inductor's product for int8 weights there multiplies one row at the rate of a
-    bfloat16 product, and its own loads of int8 values copy each through a buffer. Results are torchao's up to the
-    order of float32 additions."""
+    order, the three lower bytes plus 128, the size of the int8 values). The one-row step of a CPU without bfloat16
+    arithmetic runs these (`weight_only_int8_view`): inductor's product for int8 weights there multiplies one row at
+    the rate of a bfloat16 product, and its own loads of int8 values copy each through a buffer. Results are
+    torchao's up to float32 rounding (the order of additions, the offsets taken off)."""
 
     def __init__(self, weight, bias=None):
         super().__init__()
