@@ -235,7 +235,8 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         attention = (
             ", grouped-query attention over the written cache" if decoder.step_attention == GROUPED_QUERY_SDPA else ""
         )
-        prompt = "; the prompt's products through fbgemm" if decoder.prompt_model(ids.numel()) is not model else ""
+        prompt_products = _prompt_products(decoder, ids.numel())
+        prompt = f"; the prompt's {prompt_products}" if prompt_products else ""
         frozen = "with freezing, merged projections" if settings["freezing"] else "without freezing"
         compiled = (
             f"torch.compile {frozen}, {products}{attention}, compiled in {decoder.compile_seconds:.0f} s{prompt}"
@@ -248,6 +249,30 @@ def _compiled_decode(model, ids, new, weights, compile=True):
         )
 
     return decode, describe
+
+
+def _compiled_prompt(model, tokens):
+    """What `minimind.decode.CompiledDecoder` runs a prompt of `tokens` tokens through (eagerly: prompts are not
+    compiled), and the row's note naming its products."""
+    from minimind.decode import CompiledDecoder
+
+    decoder = CompiledDecoder(model, compile=False, cache_dir=False)
+    products = _prompt_products(decoder, tokens) or "the model's own products"
+    return decoder.prompt_model(
+        tokens
+    ), f"CompiledDecoder's prompt: forward with {products}, logits of the last position"
+
+
+def _prompt_products(decoder, tokens):
+    """The products a prompt of `tokens` tokens takes in `decoder` where they are not the model's own, else None."""
+    from minimind.decode import OneDnnLinear
+
+    forward = decoder.prompt_model(tokens)
+    if forward is decoder.model:
+        return None
+    if any(isinstance(module, OneDnnLinear) for module in forward.modules()):
+        return "fp32 products through oneDNN"
+    return "products through fbgemm"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -288,12 +313,15 @@ def prepare_peer(w, ctx):
         model = ctx.minimind(w.weights)
         if w.kind == "prefill":
             ids = torch.tensor([ctx.prefill_ids])
+            forward, note = model, "forward, logits of the last position"
+            if w.engine == "minimind compiled":
+                forward, note = _compiled_prompt(model, ids.numel())
 
             @torch.no_grad()
             def run():
-                model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                forward(input_ids=ids, use_cache=True, logits_to_keep=1)
 
-            describe = lambda tokens: "forward, logits of the last position"  # noqa: E731
+            describe = lambda tokens: note  # noqa: E731
         elif w.engine == "minimind compiled":
             # quick: only fp32 steps are compiled (bf16 and int8 graphs take far longer to compile, and
             # tests/decode/test_kernels.py checks their compiled steps); the others run the same decoder with

@@ -177,7 +177,8 @@ PEER_NOTES = """\
   rows quantizes each row's activations to int8 too (one scale per row) and multiplies 8-bit by 8-bit, as
   q8_0 does at every batch size. b8 rows: 8 different prompts of the peer prompt's length decoded together
   (llama.cpp: one llama_decode over the 8 sequences each step). prefill-512: one forward over 512 tokens,
-  tok/s counts them.
+  tok/s counts them; minimind compiled = the forward `CompiledDecoder` runs a prompt through (eagerly), with the
+  products it picks for the CPU.
 - rounds: the decode and prefill rows are built first, then timed in rounds, each running every row once in
   turn (one untimed round first, every other round backwards); tok/s is a row's median over the rounds. A ratio
   line is the median of the ratios within each round, their range in brackets: a host that speeds up or slows
@@ -273,7 +274,8 @@ class PeersReport:
 
     def ratios(self):
         """MiniMind's decode paths against llama.cpp at the matching precision (fp32 / f32, bf16 / f16 and bf16),
-        and the server's 8 clients against its one, as bullet lines; only pairs measured in this run."""
+        its prefill rows likewise, and the server's 8 clients against its one, as bullet lines; only pairs measured
+        in this run."""
         measured = {r.workload.row_id: r for r in self.rows if not r.skipped and r.tokens}
         lines = []
         for batch, ours in itertools.product(("", f"b{PEER_BATCH}-"), ("minimind", "minimind-compiled")):
@@ -282,6 +284,13 @@ class PeersReport:
                 if a in measured and b in measured:
                     median, low, high = paired_ratio(measured[a], measured[b])
                     lines.append(f"- decode {a} / {b}: {median:.2f}x (rounds {low:.2f}-{high:.2f})")
+        for ours, (weights, theirs) in itertools.product(
+            ("minimind", "minimind-compiled"), (("fp32", "f32"), ("bf16", "f16"), ("int8", "q8_0"))
+        ):
+            a, b = f"peers-prefill-512-{ours}-{weights}", f"peers-prefill-512-llamacpp-{theirs}"
+            if a in measured and b in measured:
+                median, low, high = paired_ratio(measured[a], measured[b])
+                lines.append(f"- prefill {a} / {b}: {median:.2f}x (rounds {low:.2f}-{high:.2f})")
         for suffix in (
             "",
             "-bf16",

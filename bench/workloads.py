@@ -242,6 +242,10 @@ def peer_workloads():
         for w in PEER_OUTTYPES
     ]
     rows += [PeerWorkload(f"peers-prefill-512-minimind-{w}", "prefill", "minimind", w) for w in PEER_MINIMIND]
+    rows += [
+        PeerWorkload(f"peers-prefill-512-minimind-compiled-{w}", "prefill", "minimind compiled", w)
+        for w in PEER_COMPILED
+    ]
     rows += [PeerWorkload(f"peers-prefill-512-llamacpp-{w}", "prefill", "llama.cpp", w) for w in PEER_OUTTYPES]
     rows += [PeerWorkload(f"peers-sft-512-{w}", "sft", "minimind", w) for w in ("padded", "packed", "padded-compiled")]
     rows += [

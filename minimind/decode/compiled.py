@@ -49,6 +49,7 @@ from minimind.decode.fbgemm import float16_rows_products, multiplies_through_fbg
 from minimind.decode.fp32_products import Fp32Products, fp32_product_kernel
 from minimind.decode.int8 import Int8RowSums, int8_activation_products, plain_weights, weight_only_int8_view
 from minimind.decode.memory import lazy_zeros, zero_again
+from minimind.decode.onednn import onednn_products
 from minimind.decode.packages import (
     WEIGHTS_APART,
     StepPackages,
@@ -90,6 +91,7 @@ class CompiledStep:
             raise ValueError(f"{type(self).__name__} needs a model in eval mode: call model.eval() first")
         self.model = model
         self._rows_model = _NOT_YET  # `rows_model`, built for the first step of several rows
+        self._onednn_model = _NOT_YET  # fp32 prompts through oneDNN (`prompt_model`), built for the first one
         self.dtype = next(model.parameters()).dtype
         self.compiled = compile
         self.compile_seconds = 0.0  # time spent building or loading the step of each new shape
@@ -218,14 +220,19 @@ class CompiledStep:
 
     def prompt_model(self, tokens: int):
         """The model a prompt of `tokens` tokens in all (every sequence's) runs: `rows_model` where that multiplies
-        through fbgemm, else `model`. A prompt's products are products over several rows, which torch's own kernels
-        compute in software where fbgemm's exist for them: 16-bit weights without 16-bit arithmetic and int8 weights
-        without 8-bit dot products (docs/performance.md, "The precision for the CPU"). With those dot products
-        torchao's 8-bit activations, what steps of several rows take, made a prompt slower than the weight-only
-        product, which it keeps."""
-        if tokens > 1 and self.rows_model is not None and multiplies_through_fbgemm(self.rows_model):
+        through fbgemm; fp32 weights on a CPU whose maker MKL does not serve fast, the model's own weights multiplied
+        by oneDNN (`onednn_products`); else `model`. A prompt's products are products over several rows, which
+        torch's own kernels compute in software where fbgemm's exist for them: 16-bit weights without 16-bit
+        arithmetic and int8 weights without 8-bit dot products (docs/performance.md, "The precision for the CPU").
+        With those dot products torchao's 8-bit activations, what steps of several rows take, made a prompt slower
+        than the weight-only product, which it keeps."""
+        if tokens < 2:
+            return self.model
+        if self.rows_model is not None and multiplies_through_fbgemm(self.rows_model):
             return self.rows_model
-        return self.model
+        if self._onednn_model is _NOT_YET:
+            self._onednn_model = onednn_products(self.model)
+        return self.model if self._onednn_model is None else self._onednn_model
 
     def _own_step(self):
         """`_forward_one` bound to this decoder through a code object of its own. Dynamo keeps compiled graphs,

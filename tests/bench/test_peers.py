@@ -35,7 +35,7 @@ from bench.workloads import (
 )
 from conftest import ROOT, TOKENIZER_DIR, tiny_model
 from minimind.data import build_dataset
-from minimind.decode import fp32_product_kernel
+from minimind.decode import INTEL_CPU, fp32_product_kernel, onednn_products
 
 MAIN_SECTION = f"## {MAIN_TITLE}\n\n| row |\n|---|\n| kept |\n"
 HAND_SECTION = "## Notes\n\nwritten by hand\n"
@@ -125,6 +125,12 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
         f"torch.compile with freezing, merged projections, {one_row}, grouped-query attention "
         "over the written cache, compiled in" in report.row("peers-decode-minimind-compiled-fp32").note
     )
+    # The compiled prefill rows run the decoder's prompt path: fp32 through oneDNN where MKL runs slow.
+    onednn = not INTEL_CPU and torch.backends.mkldnn.is_available()
+    products = "fp32 products through oneDNN" if onednn else "the model's own products"
+    assert report.row("peers-prefill-512-minimind-compiled-fp32").note == (
+        f"CompiledDecoder's prompt: forward with {products}, logits of the last position"
+    )
     # Quick mode compiles fp32 steps only: the 16-bit and int8 rows run the same decoder's steps eagerly, at both
     # batch sizes, each checked against generate at its own precision.
     for weights in ("bf16", "int8"):
@@ -140,11 +146,18 @@ def test_greedy_counts_reported_f32_matches_fp32(peers_run):
             assert row.note.endswith(f" / {8 * (PEER_BATCH if batch else 1)}")
     if not llama_cpp_missing():
 
-        def ratio_line(ours, theirs):
+        def ratio_line(ours, theirs, kind="decode"):
             a, b = report.row(ours), report.row(theirs)
             (ours_seconds,), (theirs_seconds,) = a.seconds, b.seconds  # quick mode: one round
             ratio = (a.tokens / ours_seconds) / (b.tokens / theirs_seconds)
-            return f"- decode {ours} / {theirs}: {ratio:.2f}x (rounds {ratio:.2f}-{ratio:.2f})\n"
+            return f"- {kind} {ours} / {theirs}: {ratio:.2f}x (rounds {ratio:.2f}-{ratio:.2f})\n"
+
+        for ours in ("minimind", "minimind-compiled"):
+            for weights, theirs in (("fp32", "f32"), ("bf16", "f16")):
+                line = ratio_line(
+                    f"peers-prefill-512-{ours}-{weights}", f"peers-prefill-512-llamacpp-{theirs}", "prefill"
+                )
+                assert line in text
 
         if not int8_missing():
             assert ratio_line("peers-decode-minimind-compiled-int8", "peers-decode-llamacpp-q8_0") in text
@@ -197,6 +210,7 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
     monkeypatch.setattr(compiled, "usable_cpu_features", lambda: frozenset(features))
     weights = weights.removesuffix(" under AVX2").removesuffix(" without AMX")
     monkeypatch.setattr(fbgemm, "torch_kernels_avx512", lambda: not avx2)
+    monkeypatch.setattr(compiled, "onednn_products", lambda model: onednn_products(model, intel=False))
     seven_bit = int8.cpu_computes_natively(torch.int8) is False
     model = tiny_model(std=0.3)
     if weights != "fp32" and not sums:
@@ -223,8 +237,10 @@ def test_compiled_rows_describe_their_kernels(weights, monkeypatch):
             products = "7-bit activations per row through fbgemm"
         else:
             products = "prepacked weights, 8-bit activations per row, autotuned GEMMs"
-        # a prompt multiplies through fbgemm where steps of several rows do
+        # a prompt multiplies through fbgemm where steps of several rows do, fp32 through oneDNN (not on Intel)
         prompt = "; the prompt's products through fbgemm" if avx2 or (weights == "int8" and seven_bit) else ""
+        onednn = weights == "fp32" and torch.backends.mkldnn.is_available()
+        prompt = "; the prompt's fp32 products through oneDNN" if onednn else prompt
         assert describe(plain) == (
             f"CompiledDecoder: static cache, torch.compile {frozen}, "
             f"{products}, grouped-query attention over the written cache, compiled in 0 s{prompt}; "
@@ -315,6 +331,9 @@ def test_rows_select_peers_in_one_namespace():
     assert [r.workload.row_id for r in report.rows] == [
         "peers-prefill-512-minimind-fp32",
         "peers-prefill-512-minimind-bf16",
+        "peers-prefill-512-minimind-compiled-fp32",
+        "peers-prefill-512-minimind-compiled-bf16",
+        "peers-prefill-512-minimind-compiled-int8",
     ]
     with pytest.raises(ValueError, match="match no row"):
         run_benchmark(BenchmarkSettings(device="cpu", quick=True, table="all", rows=["no-such-row"]))

@@ -1,0 +1,93 @@
+"""fp32 prompts through oneDNN on CPUs whose maker MKL's fast code paths are not written for (`onednn_products`):
+the same weights, the same logits to fp32 rounding, the decoder's tokens those of `generate`."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import BATCH, PROMPT, batch_reference, greedy, reference, tiny_model
+from minimind.decode import CompiledDecoder, OneDnnLinear, RowCache, RowDecoder, compiled, onednn_products
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch is built without oneDNN")
+
+
+@pytest.fixture
+def not_intel(monkeypatch):
+    """The decoders' choice as on an AMD CPU, wherever the tests run; the list of `OneDnnLinear` calls made."""
+    monkeypatch.setattr(compiled, "onednn_products", lambda model: onednn_products(model, intel=False))
+    calls, product = [], OneDnnLinear.forward
+    monkeypatch.setattr(OneDnnLinear, "forward", lambda self, input: calls.append(input.shape) or product(self, input))
+    return calls
+
+
+def test_view_multiplies_the_models_own_weights_through_onednn():
+    """Every linear layer of the view is a `OneDnnLinear` over the model's own tensors (no copy); the model keeps its
+    plain layers; a prompt's logits and cache are the model's to fp32 rounding, with gradients too."""
+    model = tiny_model(std=0.3).eval()
+    view = onednn_products(model, intel=False)
+    linears = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    assert len(linears) == 7 * model.config.num_hidden_layers + 1
+    for name in linears:
+        assert type(view.get_submodule(name)) is OneDnnLinear and type(model.get_submodule(name)) is torch.nn.Linear
+        assert view.get_submodule(name).weight is model.get_submodule(name).weight
+    assert {name: t.data_ptr() for name, t in view.state_dict().items()} == {
+        name: t.data_ptr() for name, t in model.state_dict().items()
+    }
+    with torch.no_grad():
+        ours, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        got = view(input_ids=BATCH, cache=ours, use_cache=True).logits
+        want = model(input_ids=BATCH, cache=theirs, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for mine, its in zip(ours.layers, theirs.layers):
+        torch.testing.assert_close(mine.keys, its.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(mine.values, its.values, rtol=0, atol=1e-5)
+    # with gradients on, the plain product (oneDNN's op has no backward)
+    view(input_ids=PROMPT).logits.sum().backward()
+    assert model.lm_head.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+def test_view_only_where_mkl_runs_slow_over_plain_fp32_weights(monkeypatch):
+    model = tiny_model()
+    assert onednn_products(model, intel=True) is None  # MKL's own maker
+    assert onednn_products(tiny_model().to(torch.bfloat16), intel=False) is None
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert onednn_products(model, intel=False) is None
+
+
+def test_decoder_prompts_of_several_tokens_take_the_view(not_intel):
+    """One token runs the model; a prompt of several tokens the view, built once, each of its linear layers called
+    once per prompt (the steps run the model); the decoder's greedy tokens are `generate`'s, one prompt and a batch
+    of them."""
+    model = tiny_model(std=0.3).eval()
+    decoder = CompiledDecoder(model, compile=False)
+    assert decoder.prompt_model(1) is model
+    view = decoder.prompt_model(PROMPT.numel())
+    assert view is not model and decoder.prompt_model(2) is view
+    assert any(isinstance(module, OneDnnLinear) for module in view.modules())
+    assert torch.equal(decoder.generate(PROMPT, max_new_tokens=12, **greedy()), reference(model, 12, **greedy()))
+    linears = 7 * model.config.num_hidden_layers + 1
+    assert len(not_intel) == linears and not_intel[0] == (1, PROMPT.shape[1], model.config.hidden_size)
+    batch = decoder.generate(BATCH, max_new_tokens=6, **greedy())
+    assert torch.equal(batch, batch_reference(model, 6, **greedy())) and len(not_intel) == 2 * linears
+
+
+def test_decoder_on_intel_keeps_the_models_products(monkeypatch):
+    monkeypatch.setattr(compiled, "onednn_products", lambda model: onednn_products(model, intel=True))
+    model = tiny_model().eval()
+    assert CompiledDecoder(model, compile=False).prompt_model(PROMPT.numel()) is model
+
+
+def test_server_prompts_go_through_the_view(not_intel):
+    """The server's decoder (`RowDecoder`) prefills prompts of different lengths through the view, once per linear
+    layer, each prompt's last logits the model's own to fp32 rounding."""
+    model = tiny_model(std=0.3).eval()
+    decoder = RowDecoder(model, compile=False)
+    cache = RowCache(model.config, rows=2, length=32, dtype=torch.float32, device="cpu")
+    prompts = [PROMPT[0].tolist(), BATCH[1, :4].tolist()]
+    logits = decoder.prefill(prompts, cache, [0, 1])
+    assert len(not_intel) == 7 * model.config.num_hidden_layers + 1
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(logits[row], want, rtol=0, atol=1e-5)
