@@ -258,9 +258,8 @@ def _compiled_prompt(model, tokens):
 
     decoder = CompiledDecoder(model, compile=False, cache_dir=False)
     products = _prompt_products(decoder, tokens) or "the model's own products"
-    return decoder.prompt_model(
-        tokens
-    ), f"CompiledDecoder's prompt: forward with {products}, logits of the last position"
+    note = f"CompiledDecoder's prompt: forward with {products}, logits of the last position"
+    return decoder.prompt_model(tokens), note
 
 
 def _prompt_products(decoder, tokens):
