@@ -25,7 +25,7 @@ def fp32_product_kernel(rows: int, intel: bool = INTEL_CPU, avx512: bool = AVX51
     if rows == 1 and intel:
         return "plain"
     if not avx512:
-        return "sums"
+        return "onednn" if not intel and rows >= ONEDNN_MIN_ROWS else "sums"
     if rows == 1:
         return "template"
     return "mkl" if intel and rows < ONEDNN_MIN_ROWS else "onednn"
@@ -48,7 +48,8 @@ class Fp32Products(CustomGraphPass):
       blocks of the embedding's own rows (`blocked_sums`), as fast, where the template would pack a copy of them.
       Where torch's kernels stop at AVX2, blocked sums for one row too, ahead of the template there;
     - two rows or more: oneDNN's packed product, ahead of MKL's packed one and of autotuning between the template
-      and MKL's packed product.
+      and MKL's packed product. Where torch's kernels stop at AVX2, two or three rows multiply as blocked sums and
+      four or more (`ONEDNN_MIN_ROWS`) through oneDNN's packed product: level at four rows, ahead at eight.
     Packing cannot simply be switched off per graph: inductor registers its packing patterns once per process, at
     the first frozen compile, and only if `cpp.weight_prepack` is on then; a bf16 or int8 decoder built later
     would lose its packed kernels."""

@@ -159,13 +159,13 @@ def test_16_bit_products_become_blocked_sums(dtype, shape):
 
 
 def test_fp32_products_of_several_rows_become_blocked_sums():
-    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2, one row too
+    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2, one to three
     on AMD): every product of a two-product chain is gone, both weights are cut into blocks, and the result is the
     product's to fp32 rounding, the second product reading the first's sums as they are laid out; one row on Intel
     keeps its kernel."""
     torch.manual_seed(0)
     chain = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(40, 16, bias=False)).eval()
-    for shape, intel in (((4, 48), True), ((4, 1, 48), False), ((1, 48), True), ((1, 48), False)):
+    for shape, intel in (((4, 48), True), ((3, 1, 48), False), ((1, 48), True), ((1, 48), False)):
         x = torch.randn(*shape)
         record = RecordGraph()
         torch._dynamo.reset()
@@ -218,7 +218,7 @@ class TiedHead(torch.nn.Module):
     ("dtype", "rows", "kernels", "head_only"),
     [
         (torch.float32, 1, {"intel": False, "avx512": True}, False),
-        (torch.float32, 4, {"avx512": False}, False),
+        (torch.float32, 4, {"intel": True, "avx512": False}, False),
         (torch.bfloat16, 1, {}, False),
         (torch.bfloat16, 4, {}, False),
         (torch.bfloat16, 1, {}, True),
@@ -363,9 +363,10 @@ def test_fp32_products_take_fastest_kernel():
     intel = [fp32_product_kernel(n, intel=True, avx512=True) for n in rows]
     assert intel == ["plain", "mkl", "mkl", "onednn", "onednn", "onednn"]
     assert [fp32_product_kernel(n, intel=False, avx512=True) for n in rows] == ["template"] + ["onednn"] * 5
-    # where torch's kernels stop at AVX2, several rows multiply as blocked sums for either maker, one row too on AMD
+    # where torch's kernels stop at AVX2, several rows multiply as blocked sums on Intel; on AMD one to three rows,
+    # four or more through oneDNN's packed product
     assert [fp32_product_kernel(n, intel=True, avx512=False) for n in rows] == ["plain"] + ["sums"] * 5
-    assert [fp32_product_kernel(n, intel=False, avx512=False) for n in rows] == ["sums"] * 6
+    assert [fp32_product_kernel(n, intel=False, avx512=False) for n in rows] == ["sums"] * 3 + ["onednn"] * 3
     assert fp32_products.INTEL_CPU == (cpu_vendor() in ("GenuineIntel", ""))
     assert fp32_products.AVX512_KERNELS == torch_kernels_avx512()
 
@@ -463,12 +464,14 @@ def test_fp32_step_kernels_on_amd(model, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("intel", [True, False], ids=["intel", "amd"])
 def test_fp32_step_kernels_without_avx512(model, monkeypatch, intel):
-    """The table where torch's kernels stop at AVX2: two rows multiply as blocked sums, not one product left in the
-    step; one row keeps Intel's plain product and on AMD multiplies as blocked sums too. Tokens are generate's
-    either way."""
-    _, _, (single, pair), _ = fp32_products_of_steps(model, monkeypatch, intel, BATCH[:2], avx512=False)
-    assert single == (["aten.mm.default"] * (4 * model.config.num_hidden_layers + 1) if intel else [])
-    assert pair == []
+    """The table where torch's kernels stop at AVX2. Intel: one row keeps the plain product, two rows multiply as
+    blocked sums, not one product left in the step. AMD: one row multiplies as blocked sums, four rows by oneDNN's
+    packed product, every one of them. Tokens are generate's either way."""
+    rows = BATCH[:2] if intel else torch.cat([BATCH, PROMPT])
+    _, _, (single, several), _ = fp32_products_of_steps(model, monkeypatch, intel, rows, avx512=False)
+    products = 4 * model.config.num_hidden_layers + 1
+    assert single == (["aten.mm.default"] * products if intel else [])
+    assert several == ([] if intel else ["mkldnn._linear_pointwise.default"] * products)
 
 
 @pytest.mark.slow
