@@ -5,6 +5,7 @@ under the name `GROUPED_QUERY_SDPA`."""
 from __future__ import annotations
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -19,7 +20,8 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     of the whole cache per layer, larger than the attention itself. With one query position the G query heads
     of a group are G rows against the same keys, so q [B, H, 1, Dh] is viewed as [B, K, G, Dh] and attends the
     cache as it is (the mask [B, 1, 1, S] broadcasts over the rows), up to the last position a row sees (a bool
-    mask; `_filled_length`). Anything else goes to transformers' kernel.
+    mask; `_filled_length`). In a graph being compiled for the CPU it is written out as sums (`summed_attention`),
+    which inductor fuses into the step's own kernel. Anything else goes to transformers' kernel.
     """
     batch, heads, q_len, head_dim = query.shape
     kv_heads = key.shape[1]
@@ -31,8 +33,31 @@ def grouped_query_sdpa(module, query, key, value, attention_mask, scaling=None, 
     if _attends_written_part(attention_mask):
         filled = _filled_length(attention_mask)
         key, value, attention_mask = key[:, :, :filled], value[:, :, :filled], attention_mask[..., :filled]
-    out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)  # [B,K,G,Dh]
+    bool_mask = attention_mask is None or attention_mask.dtype == torch.bool
+    if torch.compiler.is_compiling() and query.device.type == "cpu" and bool_mask:
+        scale = head_dim**-0.5 if scaling is None else scaling
+        out = summed_attention(grouped, key, value, attention_mask, scale).to(query.dtype)  # [B, K, G, Dh]
+    else:
+        out = F.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling)
     return out.view(batch, 1, heads, head_dim), None  # [B, 1, H, Dh], as transformers' kernels return it
+
+
+def summed_attention(query, key, value, mask, scale):
+    """softmax(query . key * scale) . value in fp32, written as sums over the head dimension and over the keys
+    (query [B, K, G, Dh], key and value [B, K, S, Dh], mask bool [B, 1, 1, S] or None; -> fp32 [B, K, G, Dh]).
+
+    Inside a compiled CPU step SDPA is an external call with its own threads and buffers, which for one query
+    position against a few hundred keys costs more than the attention's arithmetic; as sums, inductor computes it
+    inside the kernel that runs the layer's products, between them (docs/performance.md, "Fast decode on a CPU").
+    The query is computed into memory first: inductor would otherwise recompute its norm and rotation, sines and
+    cosines included, for every key it meets."""
+    query = query.float()
+    query = torch.ops.prims.inductor_force_stride_order.default(query, [int(size) for size in query.stride()])
+    scores = (query.unsqueeze(3) * key.float().unsqueeze(2)).sum(-1) * scale  # [B, K, G, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    weights = scores.softmax(-1)  # [B, K, G, S]
+    return (weights.unsqueeze(-1) * value.float().unsqueeze(2)).sum(-2)  # [B, K, G, Dh]
 
 
 def _filled_length(mask):

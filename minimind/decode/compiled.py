@@ -17,8 +17,8 @@ int8 weights also get inductor's own C++ matrix-product kernels where its autotu
 CPU's maker (`Fp32Products`: on Intel MKL's plain product for one row, oneDNN's packed one from four; on AMD
 inductor's template for one row, oneDNN's beyond). Every graph gets inductor's C++ wrapper, which calls its kernels
 without a Python frame per op. The steps attend through `grouped_query_sdpa`, which reads the KV cache without
-copying it per query head and only as far as it has been written, and after a graph's first call dynamo checks only
-the guards that tell this decoder's graphs apart.
+copying it per query head and only as far as it has been written (on the CPU as sums inductor fuses into the layer's
+kernel), and after a graph's first call dynamo checks only the guards that tell this decoder's graphs apart.
 Frozen weights are a snapshot (a loaded one-row step reads the norms and the embedding from the model itself, the
 rest from its own merged copies), so a decoder must be rebuilt after the model is trained further; the saved state
 dict is untouched.

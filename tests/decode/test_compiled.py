@@ -110,6 +110,54 @@ def test_grouped_sdpa_reads_only_seen_positions(model):
     assert not _attends_written_part(mask.to("meta")) and not _attends_written_part(None)
 
 
+def attention_inputs(seed, batch=3, length=13, heads=4, kv_heads=2, dim=16, dtype=torch.float32):
+    """Grouped queries [B, K, G, Dh], keys and values [B, K, S, Dh] and a bool mask [B, 1, 1, S] with holes, its
+    rows seeing different lengths of the cache."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, kv_heads, heads // kv_heads, dim, generator=generator).to(dtype)
+    key, value = (torch.randn(batch, kv_heads, length, dim, generator=generator).to(dtype) for _ in range(2))
+    mask = torch.rand(batch, 1, 1, length, generator=generator) > 0.3
+    mask[..., 0] = True
+    mask[1, ..., length // 2 :] = False
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_summed_attention_equals_sdpa(dtype):
+    """The sums a compiled CPU step attends with give SDPA's output: fp32 to rounding, 16-bit inputs to the last
+    bit of a bfloat16 (both accumulate in fp32)."""
+    from minimind.decode.attention import summed_attention
+
+    query, key, value, mask = attention_inputs(2, dtype=dtype)
+    for attn_mask in (mask, None):
+        theirs = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=0.3)
+        ours = summed_attention(query, key, value, attn_mask, 0.3)
+        assert ours.dtype == torch.float32 and ours.shape == theirs.shape == (3, 2, 2, 16)
+        tolerance = 1e-6 if dtype == torch.float32 else 2**-7 * theirs.abs().max().item()
+        assert (ours - theirs.float()).abs().max().item() < tolerance
+
+
+def test_compiled_steps_attend_as_sums(model, monkeypatch):
+    """In a graph compiled for the CPU the grouped kernel attends as sums, its query computed into memory, with no
+    SDPA call left for inductor to make; the output is eager SDPA's."""
+    layer = model.model.layers[0].self_attn
+    query, key, value, mask = attention_inputs(3)
+    query = query.reshape(3, 4, 1, 16)  # [B, H, 1, Dh]
+    targets = []
+
+    def recording(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    attend = lambda *inputs: grouped_query_sdpa(layer, *inputs, scaling=0.3)[0]  # noqa: E731
+    compiled = torch.compile(attend, backend=recording, fullgraph=True)(query, key, value, mask)
+    torch._dynamo.reset()
+    assert torch.ops.prims.inductor_force_stride_order.default in targets
+    assert torch.nn.functional.scaled_dot_product_attention not in targets
+    assert (compiled - attend(query, key, value, mask)).abs().max().item() < 1e-6
+
+
 def test_steps_use_grouped_kernel(model, monkeypatch):
     """Decode steps attend through the grouped kernel and leave the model as it was."""
     from transformers import AttentionInterface
