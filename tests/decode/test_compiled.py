@@ -137,7 +137,7 @@ def test_summed_attention_equals_sdpa(dtype):
         assert (ours - theirs.float()).abs().max().item() < tolerance
 
 
-def test_compiled_steps_attend_as_sums(model, monkeypatch):
+def test_compiled_steps_attend_as_sums(model):
     """In a graph compiled for the CPU the grouped kernel attends as sums, its query computed into memory, with no
     SDPA call left for inductor to make; the output is eager SDPA's."""
     layer = model.model.layers[0].self_attn
@@ -149,9 +149,9 @@ def test_compiled_steps_attend_as_sums(model, monkeypatch):
         targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
         return graph_module
 
-    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     attend = lambda *inputs: grouped_query_sdpa(layer, *inputs, scaling=0.3)[0]  # noqa: E731
-    compiled = torch.compile(attend, backend=recording, fullgraph=True)(query, key, value, mask)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # as the decoder compiles its steps
+        compiled = torch.compile(attend, backend=recording, fullgraph=True)(query, key, value, mask)
     torch._dynamo.reset()
     assert torch.ops.prims.inductor_force_stride_order.default in targets
     assert torch.nn.functional.scaled_dot_product_attention not in targets
