@@ -127,9 +127,9 @@ class RecordGraph:
 )
 def test_16_bit_products_become_blocked_sums(dtype, shape):
     """`SixteenBitProducts` on frozen products of one row or several: each product is gone, its weight [40, 48] (then
-    [16, 40]) is cut into 8 blocks of rows, each a contiguous constant of its own with exactly those rows, and one
-    sum over each; the result is the fp32 product rounded once to the 16-bit type (the sum order may move it by
-    one unit in the last place, never more), the second product reading the first's sums as they are laid out."""
+    [16, 40]) is cut into `ROW_BLOCKS` (4) blocks of rows, each a contiguous constant of its own with exactly those
+    rows, and one sum over each; the result is the fp32 product rounded once to the 16-bit type (the sum order may move
+    it by one unit in the last place, never more), the second product reading the first's sums as they are laid out."""
     torch.manual_seed(0)
     first = torch.nn.Linear(48, 40, bias=False).to(dtype).eval()
     second = torch.nn.Linear(40, 16, bias=False).to(dtype).eval()
@@ -146,12 +146,12 @@ def test_16_bit_products_become_blocked_sums(dtype, shape):
     [graph] = record.graphs
     calls = [entry[0] for entry in graph if entry[0] != "constant"]
     assert [target for target in calls if "mm" in target or "linear" in target] == []
-    assert calls.count("aten.sum.dim_IntList") == 2 * ROW_BLOCKS == 16
+    assert calls.count("aten.sum.dim_IntList") == 2 * ROW_BLOCKS == 8
     blocks = [entry[2] for entry in graph if entry[0] == "constant"]
-    assert [tuple(block.shape) for block in blocks] == [(5, 48)] * 8 + [(2, 40)] * 8
+    assert [tuple(block.shape) for block in blocks] == [(10, 48)] * 4 + [(4, 40)] * 4
     assert all(block.is_contiguous() and block.dtype == dtype for block in blocks)
-    assert torch.equal(torch.cat(blocks[:8]), first.weight.detach())
-    assert torch.equal(torch.cat(blocks[8:]), second.weight.detach())
+    assert torch.equal(torch.cat(blocks[:4]), first.weight.detach())
+    assert torch.equal(torch.cat(blocks[4:]), second.weight.detach())
     exact = (middle.double() @ second.weight.detach().double().t()).to(dtype)  # from eager's first product
     assert out.shape == exact.shape
     ulps = (out.float() - exact.float()).abs() / torch.finfo(dtype).eps / exact.float().abs().clamp_min(1e-3)
@@ -159,10 +159,10 @@ def test_16_bit_products_become_blocked_sums(dtype, shape):
 
 
 def test_fp32_products_of_several_rows_become_blocked_sums():
-    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2, one to three
-    on AMD): every product of a two-product chain is gone, both weights are cut into blocks, and the result is the
-    product's to fp32 rounding, the second product reading the first's sums as they are laid out; one row on Intel
-    keeps its kernel."""
+    """`Fp32Products` where the table says "sums" (two rows or more where torch's kernels stop at AVX2, one to three on
+    AMD): every product of a two-product chain is gone, both weights are cut into `ROW_BLOCKS` blocks, and the result
+    is the product's to fp32 rounding, the second product reading the first's sums as they are laid out; one row on
+    Intel keeps its kernel."""
     torch.manual_seed(0)
     chain = torch.nn.Sequential(torch.nn.Linear(48, 40, bias=False), torch.nn.Linear(40, 16, bias=False)).eval()
     for shape, intel in (((4, 48), True), ((3, 1, 48), False), ((1, 48), True), ((1, 48), False)):
@@ -195,7 +195,7 @@ def test_fp32_products_of_several_rows_become_blocked_sums():
         if shape == (1, 48) and intel:
             assert products and "aten.sum.dim_IntList" not in calls
             continue
-        assert products == [] and calls.count("aten.sum.dim_IntList") == 16
+        assert products == [] and calls.count("aten.sum.dim_IntList") == 2 * ROW_BLOCKS == 8
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-6)
 
 
@@ -227,9 +227,9 @@ class TiedHead(torch.nn.Module):
 )
 def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels, head_only):
     """A tied LM head multiplied as blocked sums (fp32 where the table says "template" or "sums", 16-bit weights
-    always) reads its 8 blocks as slices of the embedding's table, the step's one constant of the vocabulary's
-    rows, and the logits are the product's to the dtype's rounding. `tied_head_only` leaves the projection's
-    product alone."""
+    always) reads its `ROW_BLOCKS` (4) blocks as slices of the embedding's table, the step's one constant of the
+    vocabulary's rows, and the logits are the product's to the dtype's rounding. `tied_head_only` leaves the
+    projection's product alone."""
     torch.manual_seed(0)
     module = TiedHead().to(dtype).eval()
     ids = torch.randint(0, 40, (rows, 1))
@@ -253,9 +253,9 @@ def test_tied_head_sums_read_the_embeddings_own_rows(dtype, rows, kernels, head_
     constants = [entry[2] for entry in graph if entry[0] == "constant"]
     if head_only or (dtype == torch.float32 and rows == 1):  # the projection keeps its product
         assert len(products) == 1 and calls.count("aten.sum.dim_IntList") == ROW_BLOCKS
-    else:  # the projection as sums too, its 8 blocks constants of their own
+    else:  # the projection as sums too, its 4 blocks constants of their own
         assert products == [] and calls.count("aten.sum.dim_IntList") == 2 * ROW_BLOCKS
-        assert [tuple(c.shape) for c in constants].count((6, 48)) == ROW_BLOCKS
+        assert [tuple(c.shape) for c in constants].count((12, 48)) == ROW_BLOCKS == 4
     # the head's blocks are slices of the embedding's table, the one constant of the vocabulary's rows
     assert [c.shape[0] for c in constants].count(40) == 1 and any(
         torch.equal(c, module.embed.weight) for c in constants
@@ -531,9 +531,9 @@ def test_fp32_one_row_packages_keep_their_makers_kernel(model, monkeypatch, tmp_
 def test_16_bit_one_row_package_holds_each_weight_once(monkeypatch, tmp_path):
     """A one-row bf16 step on a CPU without bf16 arithmetic, packaged by AOTInductor: every product became blocked
     sums, the blocks are written as weights apart from the library, and together they hold each product's weight
-    exactly once (8 blocks for each of a layer's 4 products; the tied head's blocks are slices of the embedding the
-    lookup reads: their elements sum to the model's 2-D weights); a second decoder loads the package and both decode
-    the eager decoder's greedy tokens."""
+    exactly once (`ROW_BLOCKS`, 4 blocks, for each of a layer's 4 products; the tied head's blocks are slices of the
+    embedding the lookup reads: their elements sum to the model's 2-D weights); a second decoder loads the package and
+    both decode the eager decoder's greedy tokens."""
     import json
     import math
     import zipfile
@@ -559,7 +559,7 @@ def test_16_bit_one_row_package_holds_each_weight_once(monkeypatch, tmp_path):
     outputs = [(config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim, config.hidden_size]
     outputs += [2 * config.intermediate_size, config.hidden_size]  # each layer's merged q/k/v, o, gate/up, down
     # as many blocks as divide the outputs evenly, up to ROW_BLOCKS: the tiny vocabulary (97) is one block
-    cuts = [next(n for n in (ROW_BLOCKS, 4, 2, 1) if out % n == 0) for out in outputs]
+    cuts = [next(n for n in (ROW_BLOCKS, 2, 1) if out % n == 0) for out in outputs]
     assert config.vocab_size == 97 and cuts == [ROW_BLOCKS] * 4
     assert len(blocks) == config.num_hidden_layers * sum(cuts) + 1  # and the embedding, which the head reads too
     assert sum(blocks) == sum(weight.numel() for weight in model.parameters() if weight.dim() == 2)
