@@ -1,18 +1,30 @@
 """Shared test set-up: offline Hub, the repo root importable, tiny configs."""
 
+import atexit
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
+
+def suite_directory(variable: str, prefix: str) -> str:
+    """The directory `variable` names: one set by the caller is used as it is; else a fresh temporary directory,
+    removed when the process that made it exits (the pytest process; its xdist workers inherit the variable)."""
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        atexit.register(shutil.rmtree, os.environ[variable], ignore_errors=True)
+    return os.environ[variable]
+
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Remote-code modules are copied here on load; keep them out of the user's cache.
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="minimind-hf-modules-"))
+suite_directory("HF_MODULES_CACHE", "minimind-hf-modules-")
 # Tokenized data and compiled decode steps are cached per run of the suite, never in the user's cache.
-os.environ.setdefault("MINIMIND_CACHE", tempfile.mkdtemp(prefix="minimind-cache-"))
+suite_directory("MINIMIND_CACHE", "minimind-cache-")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
