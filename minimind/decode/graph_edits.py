@@ -43,8 +43,8 @@ def frozen_constant(graph, inputs, weight, suffix, make, lowered_as=None):
 # one shape over the same input in one loop, so each thread reads this many rows of the weight at once, each into
 # an accumulator of its own: one row at a time, a thread waits on its one stream of loads. Each accumulator takes
 # two vector registers (16 fp32 lanes under AVX2): eight blocks fill AVX2's sixteen registers with accumulators
-# alone, so the loop spills, and even with AVX-512's thirty-two four streams of loads a thread read faster than
-# eight (docs/performance.md, "The precision for the CPU").
+# alone, so the loop spills. With AVX-512's thirty-two registers there is no spill, yet four streams of loads per
+# thread still decoded faster than eight (docs/performance.md, "The precision for the CPU").
 ROW_BLOCKS = 4
 CONVERT = torch.ops.prims.convert_element_type.default
 
