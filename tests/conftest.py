@@ -316,6 +316,33 @@ def resident_kb(tensor) -> int:
     return 4 * sum(byte & 1 for byte in vector)
 
 
+def mapping_holding(address: int) -> dict:
+    """The /proc/self/smaps entry of the mapping that holds `address`: its kB fields as ints ("AnonHugePages") and
+    its flags as a set ("VmFlags": "hg" where it was advised for huge pages)."""
+    entry = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms offset dev inode [path]"
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                entry = {} if start <= address < end else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = set(value.split()) if key == "VmFlags" else int(value.split()[0])
+                if key == "VmFlags":
+                    return entry
+    raise LookupError(f"no mapping holds {address:#x}")
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise" or "never"; "" where it has none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as setting:
+            return setting.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def pages_holding(tensor, positions: int) -> int:
     """How many 4 kB pages hold the first `positions` positions of every [B, heads] row of a [B, heads, L, D] cache
     tensor that starts on a page."""

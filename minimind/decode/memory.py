@@ -5,10 +5,14 @@ that writes a few hundred of them should not hold the rest). Freed memory goes b
 On Linux the tensor lies over an anonymous private mapping of its own: the kernel maps a zeroed page in at the first
 write to it, and zeroing the tensor again hands its pages back (`madvise(MADV_DONTNEED)`) instead of writing every
 byte. Pages that are only read map the kernel's one shared zero page, no memory of their own. Elsewhere, and on
-other devices, these are plain `torch.zeros` and `zero_()`."""
+other devices, these are plain `torch.zeros` and `zero_()`.
+
+The decoders' memory by the pages it lies in, too: weights a step reads at every token lie in memory advised for
+huge pages (`huge_page_bytes`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import mmap
@@ -18,6 +22,7 @@ import torch
 
 MADV_DONTNEED = 4
 MADV_PAGEOUT = 21
+HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB pages) transparent huge page
 _MAPPED = sys.platform.startswith("linux")
 
 
@@ -29,6 +34,24 @@ def lazy_zeros(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     # mapping alive (it holds the buffer), and the mapping goes with the tensor's last view.
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(pages, dtype=dtype).view(shape)
+
+
+def huge_page_bytes(nbytes: int, offset: int = 0) -> torch.Tensor:
+    """[nbytes] uint8 on the CPU for weights a step reads through at every token, starting `offset` bytes past the
+    start of a huge page: memory the kernel is asked to back with huge pages (`madvise(MADV_HUGEPAGE)`, which
+    Linux's default transparent-huge-page mode, "madvise", waits for). In small pages every 4 KiB read costs an
+    address translation of its own. Where huge pages are off, the same memory in small pages; off Linux,
+    `torch.empty`. The tensor keeps its mapping alive; at most one huge page past its end becomes resident with it."""
+    if not _MAPPED or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes + offset, dtype=torch.uint8)[offset:]
+    # the kernel places a mapping on a page, not on a huge page: map one huge page more and start on one
+    size = -(-(nbytes + offset) // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(pages, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE + offset
+    return whole[start : start + nbytes]
 
 
 def zero_again(tensor: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from minimind.decode.memory import MADV_PAGEOUT, madvise
+from minimind.decode.memory import MADV_PAGEOUT, huge_page_bytes, madvise
 from minimind.errors import InputError
 from minimind.hardware import cpu_caps, cpuinfo
 from minimind.heap import trim_heap
@@ -134,7 +134,9 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     The archive's weights are read straight into one block of memory, one after the other, laid out as the runtime
     lays out the weights it copies out of a library: each 64-byte aligned from the block's start, which lies 16
     bytes past a page, where glibc's `malloc` puts a large block. Steps over the same fp32 weights in separate
-    allocations, or in one block starting on a page, decoded slower."""
+    allocations, or in one block starting on a page, decoded slower. The block is asked for huge pages
+    (`huge_page_bytes`): a step reads all of it at every token, and decoded faster from huge pages than from small
+    ones (docs/performance.md, "Fast decode on a CPU")."""
     try:
         archive = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile):
@@ -159,7 +161,7 @@ def _weights_apart(path, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             offsets[file] = total
             total += -(-storages[file].size // _ALIGN) * _ALIGN
         trim_heap()  # torch.load's buffers go back before the block is allocated
-        block = torch.empty(total + _ALIGN, dtype=torch.uint8)[_MALLOC_OFFSET : _MALLOC_OFFSET + total]
+        block = huge_page_bytes(total, _MALLOC_OFFSET)
         for file in files:
             _read_into(storages[file], block[offsets[file] : offsets[file] + storages[file].size])
         weights = {}

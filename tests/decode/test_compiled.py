@@ -11,7 +11,19 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from conftest import BATCH, NO_EOS, PROMPT, batch_reference, greedy, pages_holding, reference, resident_kb, tiny_model
+from conftest import (
+    BATCH,
+    NO_EOS,
+    PROMPT,
+    batch_reference,
+    greedy,
+    mapping_holding,
+    pages_holding,
+    reference,
+    resident_kb,
+    tiny_model,
+    transparent_huge_pages,
+)
 from minimind.decode import (
     CACHE_BUCKET,
     GROUPED_QUERY_SDPA,
@@ -23,6 +35,7 @@ from minimind.decode import (
     fp32_product_kernel,
     grouped_query_sdpa,
 )
+from minimind.decode.memory import HUGE_PAGE
 from minimind.hardware import CAP_VARIABLES
 
 
@@ -1051,10 +1064,13 @@ def test_a_later_decoder_loads_the_kept_step(model, compile_cache, monkeypatch):
         if name[6:] in tensors and tensor.data_ptr() == tensors[name[6:]].data_ptr()
     )
     assert shared == sorted([f"model.{name}" for name in tensors if "norm" in name] + ["model.lm_head.weight"])
-    # the others in one block, each file's weight 64-byte aligned from a start 16 bytes past the allocation's
+    # the others in one block, each file's weight 64-byte aligned from a start 16 bytes past a huge page, in memory
+    # advised for huge pages (Linux)
     [block] = {weights[name].untyped_storage().data_ptr() for name in weights if name not in shared}
-    starts = [weights[name].data_ptr() - block for name in recorded if name not in shared and recorded[name][3] == 0]
+    starts = [weights[name].data_ptr() for name in recorded if name not in shared and recorded[name][3] == 0]
     assert starts and all(start % 64 == 16 for start in starts) and len(set(starts)) == len(starts)
+    if transparent_huge_pages():
+        assert min(starts) % HUGE_PAGE == 16 and "hg" in mapping_holding(min(starts))["VmFlags"]
     # and the runtime reads them where they are: with the final norm's weight negated in the model, the loaded
     # step decodes what generate decodes from the changed model, not the tokens of before
     with torch.no_grad():

@@ -1,12 +1,13 @@
-"""minimind/decode/memory.py: zeroed tensors resident only where written, zeroed again by handing pages back."""
+"""minimind/decode/memory.py: zeroed tensors resident only where written, zeroed again by handing pages back; weights
+in memory advised for huge pages."""
 
 import os
 
 import pytest
 import torch
 
-from conftest import resident_kb
-from minimind.decode.memory import lazy_zeros, zero_again
+from conftest import mapping_holding, resident_kb, transparent_huge_pages
+from minimind.decode.memory import HUGE_PAGE, huge_page_bytes, lazy_zeros, zero_again
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc"
@@ -48,3 +49,17 @@ def test_zero_again_zeroes_other_tensors_in_place():
     zero_again(ones)
     assert ones.count_nonzero().item() == 0
     assert lazy_zeros((0, 4), torch.bfloat16).shape == (0, 4)
+
+
+def test_huge_page_bytes_lie_past_a_huge_page_in_memory_advised_for_them():
+    size = 3 * HUGE_PAGE + 100
+    block = huge_page_bytes(size, 16)
+    assert (block.numel(), block.dtype, block.data_ptr() % HUGE_PAGE) == (size, torch.uint8, 16)
+    block.fill_(5)  # resident from here on, in huge pages where the kernel has them
+    assert block.sum().item() == 5 * size
+    mapping, mode = mapping_holding(block.data_ptr()), transparent_huge_pages()
+    if not mode:
+        pytest.skip("this kernel has no transparent huge pages")
+    assert "hg" in mapping["VmFlags"]
+    if mode != "never":  # switched off by the machine's owner: advised, yet in small pages
+        assert mapping["AnonHugePages"] >= 3 * HUGE_PAGE // 1024  # the three huge pages wholly inside the block
