@@ -343,6 +343,12 @@ def transparent_huge_pages() -> str:
         return ""
 
 
+def collapses_memory() -> bool:
+    """Whether this kernel can move written memory into huge pages (`MADV_COLLAPSE`: Linux 6.1, huge pages on)."""
+    release = tuple(int(part) for part in os.uname().release.split("-")[0].split(".")[:2])
+    return release >= (6, 1) and transparent_huge_pages() not in ("", "never")
+
+
 def pages_holding(tensor, positions: int) -> int:
     """How many 4 kB pages hold the first `positions` positions of every [B, heads] row of a [B, heads, L, D] cache
     tensor that starts on a page."""

@@ -7,8 +7,8 @@ write to it, and zeroing the tensor again hands its pages back (`madvise(MADV_DO
 byte. Pages that are only read map the kernel's one shared zero page, no memory of their own. Elsewhere, and on
 other devices, these are plain `torch.zeros` and `zero_()`.
 
-The decoders' memory by the pages it lies in, too: weights a step reads at every token lie in memory advised for
-huge pages (`huge_page_bytes`)."""
+The decoders' memory by the pages it lies in, too: weights a step reads at every token lie in huge pages, read into
+memory advised for them (`huge_page_bytes`) or moved there once written (`into_huge_pages`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,9 @@ import sys
 import torch
 
 MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
 MADV_PAGEOUT = 21
+MADV_COLLAPSE = 25
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and arm64's (4 KiB pages) transparent huge page
 _MAPPED = sys.platform.startswith("linux")
 
@@ -52,6 +54,29 @@ def huge_page_bytes(nbytes: int, offset: int = 0) -> torch.Tensor:
     whole = torch.frombuffer(pages, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE + offset
     return whole[start : start + nbytes]
+
+
+def into_huge_pages(start: int, end: int) -> int:
+    """Moves memory already written in [start, end) into huge pages, each whole huge page inside the range that is
+    resident throughout (`madvise(MADV_COLLAPSE)`, Linux 6.1 and later): collapsing a partly written huge page
+    would make the rest of it resident too. Returns the bytes collapsed (0 where the kernel refused or lacks it)."""
+    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if last <= first or not madvise(first, last - first, MADV_HUGEPAGE):
+        return 0
+    pages = [page for page in range(first, last, HUGE_PAGE) if _resident(page, HUGE_PAGE)]
+    return HUGE_PAGE * sum(madvise(page, HUGE_PAGE, MADV_COLLAPSE) for page in pages)
+
+
+def _resident(start: int, length: int) -> bool:
+    """Whether every page of [start, start + length) is resident (`mincore`); False where it cannot tell."""
+    pages = -(-length // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return False
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return mincore(start, length, vector) == 0 and all(byte & 1 for byte in vector)
 
 
 def zero_again(tensor: torch.Tensor) -> None:

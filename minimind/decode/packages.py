@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from minimind.decode.memory import MADV_PAGEOUT, huge_page_bytes, madvise
+from minimind.decode.memory import MADV_PAGEOUT, huge_page_bytes, into_huge_pages, madvise
 from minimind.errors import InputError
 from minimind.hardware import cpu_caps, cpuinfo
 from minimind.heap import trim_heap
@@ -78,10 +78,12 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
     mapped copy is never read again, yet stays resident (as large as the weights themselves), so the
     non-executable mappings the load added are paged out (`madvise(MADV_PAGEOUT)`: clean file pages, dropped, read
     back from the file should anything touch them). Where that is unavailable (not Linux, a kernel before 5.4),
-    nothing changes but the memory. Loads take turns: each tells its own mappings by what it added."""
+    nothing changes but the memory. The runtime's copy is then moved into huge pages (`into_huge_pages`), as the
+    weights apart are read into them: a step reads all of them at every token. Loads take turns: each tells its
+    own mappings by what it added."""
     with _LOADING:
         trim_heap()  # memory freed before the load goes back first, so that it does not add to the load's peak
-        before = _mapped_files()
+        before, memory = _mapped_files(), _anonymous_mappings()
         with _no_isa_probes():
             runner = torch._inductor.aoti_load_package(str(path))
         weights = _weights_apart(path, own or {})
@@ -89,6 +91,9 @@ def load_package(path, own: dict[str, torch.Tensor] | None = None):
             runner.load_constants(weights, check_full_update=True, user_managed=True)
             del weights
             trim_heap()  # the archive's read buffers, freed into the heap, go back to the system
+        else:  # the runtime's copy of the weights, out of the library: the new memory written throughout
+            for start, end in _anonymous_mappings() - memory:
+                into_huge_pages(start, end)
         added = _mapped_files() - before
     _page_out([m for m in added if "x" not in m[2]])
     _remove_extracted({Path(m[3]) for m in added})
@@ -268,6 +273,23 @@ def _mapped_files() -> set[tuple[int, int, str, str]]:
         if len(fields) == 6 and fields[5].endswith(".so"):
             start, end = (int(address, 16) for address in fields[0].split("-"))
             mappings.add((start, end, fields[1], fields[5]))
+    return mappings
+
+
+def _anonymous_mappings() -> set[tuple[int, int]]:
+    """(start, end) of this process' private anonymous mappings that can be read and written (large blocks from
+    `malloc`, among others)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return set()
+    mappings = set()
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 5 and fields[1].startswith("rw") and fields[1].endswith("p"):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            mappings.add((start, end))
     return mappings
 
 

@@ -16,6 +16,7 @@ from conftest import (
     NO_EOS,
     PROMPT,
     batch_reference,
+    collapses_memory,
     greedy,
     mapping_holding,
     pages_holding,
@@ -848,6 +849,38 @@ def _resident_kb(path, permissions):
             elif current and fields[0] == "Rss:":
                 return int(fields[1])
     raise AssertionError(f"no {permissions} mapping of {path}")
+
+
+@pytest.mark.skipif(not collapses_memory(), reason="needs MADV_COLLAPSE (Linux 6.1) and transparent huge pages")
+def test_loading_a_package_moves_the_runtimes_weights_into_huge_pages(tmp_path, monkeypatch):
+    """The runtime's copy of the weights of a package that holds them inside its library (new memory the load
+    wrote throughout; a stand-in of 40 MiB, above the size glibc's malloc maps on its own) moves into huge pages;
+    the load of a package whose weights are apart (read into huge pages already) moves nothing."""
+    from minimind.decode import packages
+
+    copies, moved, handed = [], [], []
+
+    def aoti_load_package(path):
+        copies.append(torch.full((40 << 20,), 7, dtype=torch.uint8))
+        return Runner()
+
+    class Runner:
+        def load_constants(self, weights, **kwargs):
+            handed.append(sorted(weights))
+
+    real_into_huge_pages = packages.into_huge_pages
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", aoti_load_package)
+    monkeypatch.setattr(packages, "into_huge_pages", lambda *span: moved.append(real_into_huge_pages(*span)))
+    packages.load_package(tmp_path / "step.pt2")
+    [copy] = copies
+    assert sum(moved) >= 19 * HUGE_PAGE  # the whole huge pages of 40 MiB that start anywhere
+    mapping = mapping_holding(copy.data_ptr() + 2 * HUGE_PAGE)
+    assert "hg" in mapping["VmFlags"] and mapping["AnonHugePages"] >= 19 * HUGE_PAGE // 1024
+    assert copy.count_nonzero().item() == copy.numel() and copy[-1].item() == 7
+    moved.clear()
+    monkeypatch.setattr(packages, "_weights_apart", lambda path, own: {"weight": torch.ones(3)})
+    packages.load_package(tmp_path / "step.pt2")
+    assert (moved, handed) == ([], [["weight"]])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc")

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from conftest import mapping_holding, resident_kb, transparent_huge_pages
-from minimind.decode.memory import HUGE_PAGE, huge_page_bytes, lazy_zeros, zero_again
+from conftest import collapses_memory, mapping_holding, resident_kb, transparent_huge_pages
+from minimind.decode.memory import HUGE_PAGE, huge_page_bytes, into_huge_pages, lazy_zeros, zero_again
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/smaps"), reason="reads resident memory from Linux's /proc"
@@ -63,3 +63,25 @@ def test_huge_page_bytes_lie_past_a_huge_page_in_memory_advised_for_them():
     assert "hg" in mapping["VmFlags"]
     if mode != "never":  # switched off by the machine's owner: advised, yet in small pages
         assert mapping["AnonHugePages"] >= 3 * HUGE_PAGE // 1024  # the three huge pages wholly inside the block
+
+
+@pytest.mark.skipif(not collapses_memory(), reason="needs MADV_COLLAPSE (Linux 6.1) and transparent huge pages")
+def test_into_huge_pages_moves_the_written_huge_pages_alone():
+    """Memory written in small pages: the whole huge pages inside the range that are resident throughout move into
+    huge pages, with their bytes; a partly written one stays as it is, so that nothing more becomes resident."""
+    import mmap
+
+    pages = mmap.mmap(-1, 6 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages.madvise(mmap.MADV_NOHUGEPAGE)  # written in small pages whatever the kernel's mode
+    whole = torch.frombuffer(pages, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    block = whole[start : start + 4 * HUGE_PAGE]  # four whole huge pages
+    written = 2 * HUGE_PAGE + 4096  # two of them and one small page of the third
+    block[:written] = torch.arange(written, dtype=torch.int64).remainder(251).to(torch.uint8)
+    assert mapping_holding(block.data_ptr())["AnonHugePages"] == 0
+    moved = into_huge_pages(block.data_ptr() - 100, block.data_ptr() + block.numel())  # a start inside a huge page
+    assert moved == 2 * HUGE_PAGE
+    assert mapping_holding(block.data_ptr())["AnonHugePages"] == 2 * HUGE_PAGE // 1024
+    assert resident_kb(whole) == written // 1024  # nothing more became resident
+    assert torch.equal(block[:written], torch.arange(written, dtype=torch.int64).remainder(251).to(torch.uint8))
+    assert into_huge_pages(block.data_ptr() + 1, block.data_ptr() + HUGE_PAGE) == 0  # no whole huge page inside
