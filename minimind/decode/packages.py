@@ -262,34 +262,27 @@ def _remove_extracted(libraries: set[Path]) -> None:
 
 def _mapped_files() -> set[tuple[int, int, str, str]]:
     """(start, end, permissions, path) of this process' file mappings of shared libraries."""
-    try:
-        with open("/proc/self/maps") as maps:
-            lines = maps.read().splitlines()
-    except OSError:
-        return set()
-    mappings = set()
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].endswith(".so"):
-            start, end = (int(address, 16) for address in fields[0].split("-"))
-            mappings.add((start, end, fields[1], fields[5]))
-    return mappings
+    return {mapping for mapping in _mappings() if mapping[3].endswith(".so")}
 
 
 def _anonymous_mappings() -> set[tuple[int, int]]:
     """(start, end) of this process' private anonymous mappings that can be read and written (large blocks from
     `malloc`, among others)."""
+    return {(start, end) for start, end, mode, path in _mappings() if not path and mode[:2] == "rw" and mode[3] == "p"}
+
+
+def _mappings() -> list[tuple[int, int, str, str]]:
+    """(start, end, permissions, path or "") of this process' mappings (/proc/self/maps; none where it is missing)."""
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
     except OSError:
-        return set()
-    mappings = set()
+        return []
+    mappings = []
     for line in lines:
-        fields = line.split()
-        if len(fields) == 5 and fields[1].startswith("rw") and fields[1].endswith("p"):
-            start, end = (int(address, 16) for address in fields[0].split("-"))
-            mappings.add((start, end))
+        fields = line.split(maxsplit=5)
+        start, end = (int(address, 16) for address in fields[0].split("-"))
+        mappings.append((start, end, fields[1], fields[5] if len(fields) == 6 else ""))
     return mappings
 
 
