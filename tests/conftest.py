@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import mmap
 import os
 import shutil
 import sys
@@ -301,19 +302,16 @@ def batch_reference(model, new, batch=BATCH, **kwargs):
 
 
 def resident_kb(tensor) -> int:
-    """Resident kB of the pages under `tensor`'s storage (Linux's `mincore`, page by page: the kernel merges adjacent
-    mappings, so /proc/self/smaps cannot tell one tensor's mapping from its neighbours')."""
-    import ctypes
+    """Resident kB of the pages under `tensor`'s storage (page by page: the kernel merges adjacent mappings, so
+    /proc/self/smaps cannot tell one tensor's mapping from its neighbours')."""
+    from minimind.decode.memory import resident_pages
 
     storage = tensor.untyped_storage()
-    start = storage.data_ptr() // 4096 * 4096
-    pages = -(-(storage.data_ptr() + storage.nbytes() - start) // 4096)
-    vector = (ctypes.c_ubyte * pages)()
-    mincore = ctypes.CDLL(None, use_errno=True).mincore
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    if mincore(start, pages * 4096, vector) != 0:
-        raise OSError(ctypes.get_errno(), "mincore failed")
-    return 4 * sum(byte & 1 for byte in vector)
+    start = storage.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = resident_pages(start, storage.data_ptr() + storage.nbytes() - start)
+    if pages is None:
+        raise OSError("mincore failed")
+    return mmap.PAGESIZE // 1024 * sum(pages)
 
 
 def mapping_holding(address: int) -> dict:

@@ -22,7 +22,7 @@ Every name is importable from here; each lives in the module that does its job:
   op `minimind::fbgemm_product`, `packed_weight`, `PackedProduct`); 16-bit weights as float16 where torch's kernels
   stop at AVX2 (`float16_rows_products`).
 - `onednn`: fp32 products of several rows through oneDNN over the model's own weights where MKL runs slow (not on
-  Intel CPUs): the compiled decoders' prompts (`onednn_products`, `OneDnnLinear`).
+  Intel CPUs): the compiled decoders' prompts (`onednn_products`, `OneDnnLinear`, `OneDnnSwiGLU`).
 - `widened`: float32 arithmetic for the eager model's prompts over 16-bit weights on a CPU without 16-bit arithmetic
   (`widen_products`, `WidenedLinear`).
 """
@@ -38,7 +38,7 @@ from minimind.decode.fp32_products import (
     fp32_product_kernel,
 )
 from minimind.decode.int8 import Int8RowSums, int8_activation_products, int8_activations_dtype, quantize_weights_int8
-from minimind.decode.onednn import OneDnnLinear, onednn_products
+from minimind.decode.onednn import OneDnnLinear, OneDnnSwiGLU, onednn_products
 from minimind.decode.rows import RowCache, RowDecoder
 from minimind.decode.sampling import choose_tokens, sampling_warpers
 from minimind.decode.sixteen_bit_products import ROW_BLOCKS, SixteenBitProducts
@@ -57,6 +57,7 @@ __all__ = [
     "Fp32Products",
     "Int8RowSums",
     "OneDnnLinear",
+    "OneDnnSwiGLU",
     "RowCache",
     "RowDecoder",
     "SixteenBitProducts",

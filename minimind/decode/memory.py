@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import math
 import mmap
 import sys
@@ -63,20 +64,18 @@ def into_huge_pages(start: int, end: int) -> int:
     first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if last <= first or not madvise(first, last - first, MADV_HUGEPAGE):
         return 0
-    pages = [page for page in range(first, last, HUGE_PAGE) if _resident(page, HUGE_PAGE)]
+    pages = [page for page in range(first, last, HUGE_PAGE) if all(resident_pages(page, HUGE_PAGE) or [False])]
     return HUGE_PAGE * sum(madvise(page, HUGE_PAGE, MADV_COLLAPSE) for page in pages)
 
 
-def _resident(start: int, length: int) -> bool:
-    """Whether every page of [start, start + length) is resident (`mincore`); False where it cannot tell."""
-    pages = -(-length // mmap.PAGESIZE)
-    vector = (ctypes.c_ubyte * pages)()
-    try:
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return False
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return mincore(start, length, vector) == 0 and all(byte & 1 for byte in vector)
+def resident_pages(start: int, length: int) -> list[bool] | None:
+    """For each page of [start, start + length) (start on a page), whether it is resident (the kernel's `mincore`);
+    None where the kernel refused or the call is missing."""
+    call = _libc_call("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    vector = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
+    if call is None or call(start, length, vector) != 0:
+        return None
+    return [bool(byte & 1) for byte in vector]
 
 
 def zero_again(tensor: torch.Tensor) -> None:
@@ -100,9 +99,16 @@ def zero_again(tensor: torch.Tensor) -> None:
 
 def madvise(start: int, length: int, advice: int) -> bool:
     """The kernel's `madvise` over [start, start + length) (start on a page); False where it refused or is missing."""
+    call = _libc_call("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return call is not None and call(start, length, advice) == 0
+
+
+@functools.cache
+def _libc_call(name: str, *argtypes):
+    """The C library's function `name` taking `argtypes`, or None where there is no such library or function."""
     try:
-        call = ctypes.CDLL(None, use_errno=True).madvise
+        call = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
-        return False
-    call.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return call(start, length, advice) == 0
+        return None
+    call.argtypes = list(argtypes)
+    return call
